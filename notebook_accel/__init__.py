@@ -1,0 +1,51 @@
+"""notebook_accel: run one PyTorch training loop on 1..N processes, from a notebook or a script.
+
+Public names follow Hugging Face accelerate. They load lazily, so `import notebook_accel` is cheap
+and never imports IPython or ipywidgets (a worker process or a plain script has neither).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "PartialState": "state",
+    "AcceleratorState": "state",
+    "GradientState": "state",
+    "DistributedType": "utils.dataclasses",
+    "notebook_launcher": "launch",
+    "debug_launcher": "launch",
+    "Accelerator": "accelerator",
+    "init_empty_weights": "big_modeling",
+    "init_on_device": "big_modeling",
+    "cpu_offload": "big_modeling",
+    "cpu_offload_with_hook": "big_modeling",
+    "disk_offload": "big_modeling",
+    "dispatch_model": "big_modeling",
+    "load_checkpoint_and_dispatch": "big_modeling",
+    "infer_auto_device_map": "utils.modeling",
+    "load_ipython_extension": "jupyter",
+    "unload_ipython_extension": "jupyter",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'notebook_accel' has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith(f"{__name__}."):
+            raise AttributeError(f"notebook_accel.{name} is not built yet (no module {exc.name}).") from None
+        raise
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

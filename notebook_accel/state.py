@@ -1,0 +1,425 @@
+"""PartialState, AcceleratorState, GradientState: the environment, resolved once per process.
+
+Every instance of a state class shares one dict (the Borg pattern), so `PartialState()` anywhere in
+a process returns the same view. `use_thread_local_state(True)` gives each thread its own dict,
+for tests that need isolation; `_reset_state()` clears it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import os
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import hardware
+from .placement import resolve_placement
+from .utils.dataclasses import DistributedType, parse_mixed_precision
+from .utils.environment import DEBUG_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV, parse_bool, read_launch_env
+
+_thread_local_mode = parse_bool(os.environ.get("NOTEBOOK_ACCEL_THREAD_LOCAL_STATE", "0"))
+
+
+def use_thread_local_state(enabled: bool = True) -> None:
+    """Give each thread its own state from now on (tests); False shares one per process again."""
+    global _thread_local_mode
+    _thread_local_mode = bool(enabled)
+
+
+class SharedDict:
+    """Class-level descriptor: the one dict every instance uses as its __dict__."""
+
+    def __init__(self) -> None:
+        self._process: dict = {}
+        self._threads = threading.local()
+
+    def __get__(self, obj, owner=None) -> dict:
+        if not _thread_local_mode:
+            return self._process
+        if not hasattr(self._threads, "d"):
+            self._threads.d = {}
+        return self._threads.d
+
+    def clear(self) -> None:
+        self.__get__(None).clear()
+
+
+def _init_process_group(backend: str, env, timeout: Optional[datetime.timedelta]) -> None:
+    import torch.distributed as dist
+
+    if env.master_addr is None or env.master_port is None:
+        if env.local_world_size != env.world_size:
+            raise RuntimeError(
+                f"MASTER_ADDR/MASTER_PORT are not set for a {env.world_size}-process job across nodes; "
+                "set both to the address and port of the rank-0 machine."
+            )
+        # One node: a local default is the only sensible answer.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    else:
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    kwargs = {"backend": backend, "rank": env.rank, "world_size": env.world_size}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    dist.init_process_group(**kwargs)
+
+
+class PartialState:
+    """Where this process sits in the job and which device it drives; no training settings."""
+
+    _shared_state = SharedDict()
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        self.__dict__ = self._shared_state
+        if self.initialized:
+            return
+        env = read_launch_env()
+        cpu = bool(cpu) or parse_bool(os.environ.get(USE_CPU_ENV, "0"))
+        family = None if cpu else hardware.detect_device_family()
+        placement = resolve_placement(
+            env, family, cpu=cpu, device_count=hardware.device_count(family), backend=kwargs.pop("backend", None)
+        )
+        self._cpu = cpu
+        self._launch_env = env
+        self.debug = parse_bool(os.environ.get(DEBUG_ENV, "0"))
+        self.distributed_type = placement.distributed_type
+        self.backend = placement.backend
+        self.num_processes = env.world_size
+        self.process_index = env.rank
+        self.local_process_index = env.local_rank
+        self.num_local_processes = env.local_world_size
+        self.fork_launched = parse_bool(os.environ.get("FORK_LAUNCHED", "0"))
+        if placement.distributed_type == DistributedType.XLA:
+            self.device = _xla_device()
+        else:
+            self.device = torch.device(placement.device)
+        if env.distributed and placement.distributed_type != DistributedType.XLA:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                _init_process_group(placement.backend, env, kwargs.pop("timeout", None))
+        self.set_device()
+
+    # -- identity -------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return (
+            f"Distributed environment: {self.distributed_type}{'  Backend: ' + self.backend if self.backend else ''}\n"
+            f"Num processes: {self.num_processes}\n"
+            f"Process index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\n"
+            f"Device: {self.device}\n"
+        )
+
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state != {}
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Forget the resolved environment (the process group, if any, is left as it is)."""
+        PartialState._shared_state.clear()
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.distributed_type != DistributedType.NO and self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def default_device(self) -> torch.device:
+        return self.device
+
+    # -- synchronisation ------------------------------------------------------------------
+    def wait_for_everyone(self) -> None:
+        """Barrier across all processes; a no-op in a single process."""
+        if not self.use_distributed:
+            return
+        if self.distributed_type == DistributedType.XLA:
+            import torch_xla.core.xla_model as xm
+
+            xm.rendezvous("notebook_accel.wait_for_everyone")
+            return
+        torch.distributed.barrier()
+
+    def _goes_first(self, is_first: bool):
+        if not is_first:
+            self.wait_for_everyone()
+        yield
+        if is_first:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        """The main process runs the block first, then the others (download once, then read)."""
+        yield from self._goes_first(self.is_main_process)
+
+    @contextlib.contextmanager
+    def local_main_process_first(self):
+        yield from self._goes_first(self.is_local_main_process)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs, apply_padding: bool = False):
+        """Yield this process's contiguous share of `inputs` (list, tuple, dict of those, tensor).
+
+        17 items over 4 processes give 5, 4, 4, 4; with apply_padding every share has 5, the short
+        ones repeating the last item, so results can be gathered and trimmed.
+        """
+        yield _split(inputs, self.num_processes, self.process_index, apply_padding)
+
+    # -- decorators -----------------------------------------------------------------------
+    def on_main_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return self._only_if(function, lambda: self.is_last_process)
+
+    def on_process(self, function: Optional[Callable] = None, process_index: Optional[int] = None):
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        _check_index("process_index", process_index)
+        return self._only_if(function, lambda: self.process_index == process_index)
+
+    def on_local_process(self, function: Optional[Callable] = None, local_process_index: Optional[int] = None):
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        _check_index("local_process_index", local_process_index)
+        return self._only_if(function, lambda: self.local_process_index == local_process_index)
+
+    @staticmethod
+    def _only_if(function: Callable, condition: Callable[[], bool]) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if condition():
+                return function(*args, **kwargs)
+            return None
+
+        return wrapper
+
+    def print(self, *args, **kwargs) -> None:
+        """print(), once per node."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    # -- teardown and devices -------------------------------------------------------------
+    def destroy_process_group(self, group=None) -> None:
+        import torch.distributed as dist
+
+        if self.use_distributed and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    def set_device(self) -> None:
+        """Make this process's device the current one for its family (no-op on CPU)."""
+        kind = self.device.type
+        if kind in ("cpu", "mps", "xla", "meta"):
+            return
+        module = getattr(torch, kind, None)
+        if module is not None and hasattr(module, "set_device"):
+            module.set_device(self.device)
+
+
+def _xla_device():
+    # The one call into torch_xla for device choice; it cannot run on machines without it.
+    import torch_xla.core.xla_model as xm
+
+    return xm.xla_device()
+
+
+def _check_index(name: str, value) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r}: pass a non-negative integer, e.g. @state.on_process({name}=1).")
+
+
+def _split(inputs, num: int, index: int, apply_padding: bool):
+    if num == 1:
+        return inputs
+    if isinstance(inputs, dict):
+        lengths = {k: len(v) for k, v in inputs.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"split_between_processes needs dict values of equal length; got lengths {lengths}.")
+        return {k: _split(v, num, index, apply_padding) for k, v in inputs.items()}
+    if not hasattr(inputs, "__len__") or not hasattr(inputs, "__getitem__"):
+        raise TypeError(
+            f"split_between_processes takes a list, tuple, dict or tensor, not {type(inputs).__name__}."
+        )
+    length = len(inputs)
+    per, extra = divmod(length, num)
+    start = index * per + min(index, extra)
+    end = start + per + (1 if index < extra else 0)
+    share = inputs[start:end]
+    if not apply_padding or length == 0:
+        return share
+    target = per + (1 if extra else 0)
+    missing = target - (end - start)
+    if missing <= 0:
+        return share
+    last = inputs[-1:]
+    if isinstance(share, torch.Tensor):
+        return torch.cat([share] + [last] * missing)
+    if isinstance(share, tuple):
+        return share + tuple(last) * missing
+    return list(share) + list(last) * missing
+
+
+class AcceleratorState:
+    """PartialState plus training settings (mixed precision, plugins); one per process."""
+
+    _shared_state = SharedDict()
+    _partial_attrs = (
+        "device", "backend", "distributed_type", "num_processes", "process_index", "local_process_index",
+        "num_local_processes", "fork_launched", "use_distributed", "is_main_process", "is_local_main_process",
+        "is_last_process", "default_device", "wait_for_everyone", "main_process_first",
+        "local_main_process_first", "split_between_processes", "on_main_process", "on_local_main_process",
+        "on_last_process", "on_process", "on_local_process", "print", "destroy_process_group", "set_device",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        mixed_precision: Optional[str] = None,
+        cpu: bool = False,
+        dynamo_plugin=None,
+        deepspeed_plugin=None,
+        fsdp_plugin=None,
+        torch_tp_plugin=None,
+        megatron_lm_plugin=None,
+        _from_accelerator: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self.__dict__ = self._shared_state
+        requested = None if mixed_precision is None else parse_mixed_precision(mixed_precision)
+        if self.initialized:
+            if requested is not None and requested != self._mixed_precision:
+                raise ValueError(
+                    f"AcceleratorState already exists with mixed_precision={self._mixed_precision!r}; "
+                    f"it cannot be re-created with mixed_precision={requested!r} in the same process. "
+                    "Call AcceleratorState._reset_state(reset_partial_state=True) first, or restart the kernel "
+                    "(in a notebook, create the Accelerator inside the launched function)."
+                )
+            return
+        partial = PartialState(cpu, **kwargs)
+        self._partial = partial
+        self._mixed_precision = requested or parse_mixed_precision(os.environ.get(MIXED_PRECISION_ENV, "no"))
+        self.dynamo_plugin = dynamo_plugin
+        self.deepspeed_plugin = deepspeed_plugin
+        self.fsdp_plugin = fsdp_plugin
+        self.torch_tp_plugin = torch_tp_plugin
+        self.megatron_lm_plugin = megatron_lm_plugin
+        self.use_ipex = False
+
+    def __getattr__(self, name: str):
+        # Only reached for names not set on the shared dict: delegate the PartialState surface.
+        if name in AcceleratorState._partial_attrs:
+            if not self.__dict__:
+                raise AttributeError(
+                    f"AcceleratorState has no {name!r} yet: create AcceleratorState() or Accelerator() first."
+                )
+            return getattr(self._partial, name)
+        raise AttributeError(f"'AcceleratorState' object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return repr(self._partial) + f"Mixed precision type: {self._mixed_precision}\n"
+
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state != {}
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._mixed_precision
+
+    @property
+    def debug(self) -> bool:
+        return self._partial.debug
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        AcceleratorState._shared_state.clear()
+        if reset_partial_state:
+            PartialState._reset_state()
+
+
+class GradientState:
+    """Whether gradients sync on this step, and which dataloader is running (for accumulation)."""
+
+    _shared_state = SharedDict()
+
+    def __init__(self, gradient_accumulation_plugin=None) -> None:
+        self.__dict__ = self._shared_state
+        if not self.initialized:
+            self.sync_gradients = True
+            self.active_dataloader = None
+            self.dataloader_references = [None]
+            self.plugin_kwargs = {}
+            self._is_xla_gradients_synced = False
+        if gradient_accumulation_plugin is not None:
+            self.plugin_kwargs = gradient_accumulation_plugin.to_kwargs()
+
+    def __repr__(self) -> str:
+        return (
+            f"Sync Gradients: {self.sync_gradients}\nAt end of current dataloader: {self.end_of_dataloader}\n"
+            f"Extra samples added: {self.remainder}\nGradient accumulation plugin: {self.plugin_kwargs}\n"
+        )
+
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state != {}
+
+    @property
+    def num_steps(self) -> int:
+        return self.plugin_kwargs.get("num_steps", 1)
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        return self.plugin_kwargs.get("adjust_scheduler", False)
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        return self.plugin_kwargs.get("sync_with_dataloader", True)
+
+    @property
+    def sync_each_batch(self) -> bool:
+        return self.plugin_kwargs.get("sync_each_batch", False)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return bool(self.in_dataloader and getattr(self.active_dataloader, "end_of_dataloader", False))
+
+    @property
+    def remainder(self) -> int:
+        return getattr(self.active_dataloader, "remainder", -1) if self.in_dataloader else -1
+
+    @property
+    def in_dataloader(self) -> bool:
+        return self.active_dataloader is not None
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        self.sync_gradients = sync_gradients
+
+    def _add_dataloader(self, dataloader) -> None:
+        self.active_dataloader = dataloader
+        self.dataloader_references.append(dataloader)
+
+    def _remove_dataloader(self, dataloader) -> None:
+        self.dataloader_references.remove(dataloader)
+        self.active_dataloader = self.dataloader_references[-1]
+
+    @staticmethod
+    def _reset_state() -> None:
+        GradientState._shared_state.clear()

@@ -1,0 +1,46 @@
+"""Helpers with accelerate's public names (`from notebook_accel.utils import gather`, ...)."""
+
+from __future__ import annotations
+
+import importlib
+
+from .dataclasses import ComputeEnvironment, DistributedType, PrecisionType, RNGType  # noqa: F401
+from .imports import *  # noqa: F401,F403
+from .imports import __dict__ as _imports_dict
+
+_EXPORTS = {
+    # operations
+    **{
+        name: "operations"
+        for name in (
+            "send_to_device", "recursively_apply", "gather", "gather_object", "broadcast",
+            "broadcast_object_list", "reduce", "pad_across_processes", "concatenate", "find_batch_size",
+            "DistributedOperationException", "is_tensor_information", "get_data_structure",
+            "honor_type", "listify", "slice_tensors", "convert_to_fp32",
+        )
+    },
+    # random
+    "set_seed": "random",
+    "synchronize_rng_states": "random",
+    "synchronize_rng_state": "random",
+    # memory
+    "parse_memory_size": "memory",
+    "convert_file_size_to_int": "memory",
+    "release_memory": "memory",
+    "find_executable_batch_size": "memory",
+}  # fmt: skip
+
+__all__ = sorted(
+    list(_EXPORTS)
+    + ["ComputeEnvironment", "DistributedType", "PrecisionType", "RNGType"]
+    + [n for n in _imports_dict if n.startswith("is_")]
+)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'notebook_accel.utils' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

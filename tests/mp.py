@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 
 _ctx = mp.get_context("forkserver")
@@ -56,17 +57,22 @@ def run_ranks(fn, world_size: int, *args, env=None, timeout: float = 60.0):
     for p in procs:
         p.start()
     out, errors = {}, []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(out) < world_size and not errors:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=0.2)
             except queue.Empty:
-                raise TimeoutError(f"{world_size}-rank run of {fn.__name__} gave no result within {timeout}s") from None
+                dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
+                if dead:
+                    errors.append(f"ranks died without a result (rank, exit code): {dead}")
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"{world_size}-rank run of {fn.__name__} gave no result within {timeout}s")
+                continue
             if ok:
                 out[rank] = value
             else:
                 errors.append(f"rank {rank}: {value}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)

@@ -1,0 +1,61 @@
+"""Errors a launch raises. A rank failure is torch's ChildFailedError, with a readable message."""
+
+from __future__ import annotations
+
+import time
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from .events import RankFailed
+
+
+class LaunchConfigError(ValueError):
+    """A launch argument or environment cannot work; raised before any process starts."""
+
+
+class UnpicklableError(LaunchConfigError):
+    """The function or an argument cannot travel to spawn / forkserver children."""
+
+
+class LaunchFailedError(ChildFailedError):
+    """One or more ranks failed. `failures` maps rank -> torch ProcessFailure, `reports` -> RankFailed."""
+
+    def __init__(self, reports: list, name: str = "notebook_launcher"):
+        self.reports = {r.rank: r for r in reports}
+        failures = {}
+        for report in reports:
+            code = report.exitcode if report.exitcode is not None else 1
+            failure = ProcessFailure(report.rank, report.pid or -1, code, error_file="")
+            failure.message = report.summary()
+            failure.timestamp = int(time.time())
+            failures[report.rank] = failure
+        super().__init__(name, failures)
+        self.args = (format_failures(reports),)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def format_failures(reports: list) -> str:
+    """The first failure in full (type, message, traceback with source lines), others in one line."""
+    if not reports:
+        return "launch failed"
+    first = reports[0]
+    lines = [first.summary()]
+    if first.traceback:
+        lines += ["", f"Traceback from rank {first.rank}:", first.traceback.rstrip()]
+    for other in reports[1:]:
+        lines.append(f"also: {other.summary()}")
+    return "\n".join(lines)
+
+
+def failure_from_exit(rank: int, pid, exitcode) -> RankFailed:
+    import signal
+
+    name = None
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+    return RankFailed(rank=rank, pid=pid, exitcode=exitcode, signal_name=name)

@@ -1,0 +1,73 @@
+"""What a launch reports, as typed events tagged with the rank (see shared/DESIGN.md, step 4).
+
+Sinks (console, widget, JupyterLab extension) consume these and know nothing of processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LaunchStarted:
+    num_processes: int
+    start_method: str
+    world_size: int
+    node_rank: int = 0
+
+
+@dataclass(frozen=True)
+class RankStarted:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class RankOutput:
+    """One line of a rank's fd 1 ("stdout") or fd 2 ("stderr"), without its newline."""
+
+    rank: int
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True)
+class RankFinished:
+    rank: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    """A rank raised (exc_type set), died by a signal (signal_name set) or exited non-zero."""
+
+    rank: int
+    pid: Optional[int]
+    exitcode: Optional[int]
+    exc_type: Optional[str] = None
+    message: str = ""
+    traceback: str = ""
+    signal_name: Optional[str] = None
+
+    def summary(self) -> str:
+        if self.exc_type:
+            return f"rank {self.rank} raised {self.exc_type}: {self.message}"
+        if self.signal_name:
+            return f"rank {self.rank} died with {self.signal_name}"
+        return f"rank {self.rank} exited with code {self.exitcode} without a result"
+
+
+@dataclass(frozen=True)
+class RankStopped:
+    """A rank the launcher stopped because another failed or the launch was interrupted."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class LaunchFinished:
+    ok: bool
+    seconds: float
+    failed_ranks: tuple = field(default_factory=tuple)

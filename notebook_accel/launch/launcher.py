@@ -1,0 +1,151 @@
+"""notebook_launcher and debug_launcher: accelerate's signatures, plus start_method and results."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from typing import Optional
+
+from . import events as ev
+from .plan import LaunchPlan, make_plan
+from .sinks import ConsoleSink, Fanout
+
+
+def notebook_launcher(
+    function,
+    args=(),
+    num_processes: Optional[int] = None,
+    mixed_precision: str = "no",
+    use_port: str = "29500",
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    rdzv_conf: Optional[dict] = None,
+    rdzv_id: str = "none",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    log_line_prefix_template: Optional[str] = None,
+    start_method: str = "fork",
+    *,
+    cpu: bool = False,
+    sinks=None,
+) -> list:
+    """Run `function(*args)` on `num_processes` processes; return each local rank's return value.
+
+    A rank that raises makes this raise `LaunchFailedError` (a torch `ChildFailedError`) with that
+    rank's traceback; the other ranks are stopped. `sinks` replace the console sink (see sinks.py).
+    """
+    if not callable(function):
+        raise TypeError(f"notebook_launcher needs a function to run, got {type(function).__name__}: {function!r}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of arguments, got {type(args).__name__}; write args=(value,).")
+    plan = make_plan(
+        num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
+        master_addr=master_addr, node_rank=node_rank, num_nodes=num_nodes, rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint, rdzv_conf=rdzv_conf, rdzv_id=rdzv_id, max_restarts=max_restarts,
+        monitor_interval=monitor_interval, log_line_prefix_template=log_line_prefix_template,
+        start_method=start_method, cpu=cpu,
+    )  # fmt: skip
+    for note in plan.notes:
+        print(note, file=sys.stderr)
+    sink = Fanout(sinks if sinks is not None else [ConsoleSink()])
+    try:
+        return run_plan(plan, function, tuple(args), sink)
+    finally:
+        sink.close()
+
+
+def debug_launcher(function, args=(), num_processes: int = 2) -> list:
+    """Run on `num_processes` CPU processes with gloo (MULTI_CPU, distinct ranks), for debugging."""
+    return notebook_launcher(function, args, num_processes=num_processes, use_port="auto", cpu=True)
+
+
+def run_plan(plan: LaunchPlan, function, args: tuple, sink) -> list:
+    if plan.engine == "xla":
+        from .xla import launch_xla
+
+        return launch_xla(plan, function, args)
+    if plan.engine == "elastic":
+        from .elastic import launch_elastic
+
+        return launch_elastic(plan, function, args, sink)
+    if plan.num_processes == 1 and plan.num_nodes == 1:
+        return _run_here(plan, function, args)
+    return _launch_local(plan, function, args, sink)
+
+
+def _run_here(plan: LaunchPlan, function, args: tuple) -> list:
+    """One process: run in the caller (accelerate does too), with the plan's settings visible."""
+    from ..utils.environment import MIXED_PRECISION_ENV, USE_CPU_ENV
+
+    keep = {k: plan.env[k] for k in (MIXED_PRECISION_ENV, USE_CPU_ENV) if k in plan.env}
+    with _patched_environ(keep):
+        return [function(*args)]
+
+
+@contextmanager
+def _patched_environ(values: dict):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _launch_local(plan: LaunchPlan, function, args: tuple, sink) -> list:
+    from . import procs
+    from .monitor import Monitor
+
+    payload = None
+    if plan.start_method != "fork":
+        from .payload import dumps
+
+        payload = dumps(function, args)  # fails here, naming the object, before any process starts
+    warm = None
+    if plan.start_method == "forkserver":
+        from .warm import WarmServer
+
+        warm = WarmServer.get()
+    started = time.monotonic()
+    sink.handle(ev.LaunchStarted(plan.num_processes, plan.start_method, plan.world_size, plan.node_rank))
+    handles = []
+    monitor = None
+    try:
+        for local_rank in range(plan.num_processes):
+            env = plan.rank_env(local_rank)
+            rank = int(env["RANK"])
+            if plan.start_method == "fork":
+                handle = procs.start_fork(local_rank, rank, env, plan.threads_per_process, function, args)
+            elif plan.start_method == "spawn":
+                handle = procs.start_spawn(local_rank, rank, env, plan.threads_per_process, payload)
+            else:
+                handle = warm.start_rank(local_rank, rank, env, plan.threads_per_process, payload)
+            handles.append(handle)
+        monitor = Monitor(handles, plan, sink, warm=warm)
+        results = monitor.run()
+    except BaseException as exc:
+        # KeyboardInterrupt, a failure while starting, or a rank failure: leave no process behind.
+        if monitor is None:
+            monitor = Monitor(handles, plan, sink, warm=warm) if handles else None
+        if monitor is not None:
+            monitor.kill_now()
+            for h in handles:
+                h.close()
+        sink.handle(ev.LaunchFinished(False, time.monotonic() - started, _failed(exc)))
+        raise
+    sink.handle(ev.LaunchFinished(True, time.monotonic() - started))
+    return results
+
+
+def _failed(exc: BaseException) -> tuple:
+    reports = getattr(exc, "reports", None)
+    return tuple(sorted(reports)) if reports else ()

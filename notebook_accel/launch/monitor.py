@@ -1,0 +1,205 @@
+"""The parent's event loop: read every rank's output and control messages, turn them into events,
+stop the other ranks when one fails, and collect results. Single-threaded, driven by a selector."""
+
+from __future__ import annotations
+
+import pickle
+import selectors
+import signal
+import struct
+import time
+from typing import Optional
+
+from . import events as ev
+from .errors import LaunchFailedError, failure_from_exit
+
+_HEADER = struct.Struct("!Q")
+STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
+DRAIN_GRACE_S = 2.0  # after a rank exits, wait this long for a grandchild that still holds its stdout
+
+
+class _Rank:
+    def __init__(self, proc, rank: int):
+        self.proc = proc
+        self.rank = rank
+        self.partial = {"stdout": b"", "stderr": b""}
+        self.ctrl_buf = b""
+        self.open = 3
+        self.result: Optional[bytes] = None
+        self.error: Optional[dict] = None
+        self.exited_at: Optional[float] = None
+        self.done = False
+        self.started = time.monotonic()
+
+
+class Monitor:
+    def __init__(self, procs: list, plan, sink, warm=None):
+        self.plan = plan
+        self.sink = sink
+        self.warm = warm
+        self.ranks = [_Rank(p, plan.node_rank * plan.num_processes + p.local_rank) for p in procs]
+        self.sel = selectors.DefaultSelector()
+        self.failures: list = []
+        self.stop_sent_at: Optional[float] = None
+        self.killed = False
+        for r in self.ranks:
+            for sock, kind in ((r.proc.out, "stdout"), (r.proc.err, "stderr"), (r.proc.ctrl, "ctrl")):
+                sock.setblocking(False)
+                self.sel.register(sock, selectors.EVENT_READ, (r, kind))
+            if r.proc.exit_fd is not None:
+                self.sel.register(r.proc.exit_fd, selectors.EVENT_READ, (r, "exit"))
+        if warm is not None:
+            self.sel.register(warm.sock, selectors.EVENT_READ, (None, "warm"))
+
+    # -- main loop ----------------------------------------------------------------------------
+    def run(self) -> list:
+        try:
+            while not all(r.done for r in self.ranks):
+                self._step()
+        finally:
+            self.sel.close()
+            for r in self.ranks:
+                r.proc.close()
+        if self.failures:
+            # A transport error on a rank whose peer died is a symptom; put root causes first.
+            ordered = sorted(self.failures, key=lambda f: _is_peer_fallout({"exc_type": f.exc_type or "", "message": f.message}))
+            raise LaunchFailedError(ordered)
+        return [pickle.loads(r.result) for r in self.ranks]
+
+    def _step(self) -> None:
+        needs_polling = any(r.proc.exit_fd is None and not r.done for r in self.ranks)
+        for key, _ in self.sel.select(timeout=0.05 if needs_polling or self.stop_sent_at else 1.0):
+            r, kind = key.data
+            if kind == "warm":
+                self.warm.pump()
+            elif kind == "exit":
+                self.sel.unregister(key.fileobj)
+                r.proc.poll()
+            elif kind == "ctrl":
+                self._read_ctrl(r, key.fileobj)
+            else:
+                self._read_output(r, key.fileobj, kind)
+        now = time.monotonic()
+        for r in self.ranks:
+            if not r.done:
+                self._maybe_finish(r, now)
+        if self.stop_sent_at is not None and not self.killed and now - self.stop_sent_at > STOP_GRACE_S:
+            self._signal_all(signal.SIGKILL)
+            self.killed = True
+
+    def _read_output(self, r: _Rank, sock, stream: str) -> None:
+        try:
+            data = sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except ConnectionError:
+            data = b""
+        if not data:
+            self.sel.unregister(sock)
+            r.open -= 1
+            if r.partial[stream]:
+                self._emit_line(r, stream, r.partial[stream])
+                r.partial[stream] = b""
+            return
+        buf = r.partial[stream] + data
+        *lines, r.partial[stream] = buf.split(b"\n")
+        for line in lines:
+            self._emit_line(r, stream, line)
+
+    def _emit_line(self, r: _Rank, stream: str, raw: bytes) -> None:
+        text = raw.decode("utf-8", errors="replace").rstrip("\r")
+        self.sink.handle(ev.RankOutput(r.rank, stream, text))
+
+    def _read_ctrl(self, r: _Rank, sock) -> None:
+        try:
+            data = sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except ConnectionError:
+            data = b""
+        if not data:
+            self.sel.unregister(sock)
+            r.open -= 1
+            return
+        r.ctrl_buf += data
+        while len(r.ctrl_buf) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(r.ctrl_buf)
+            if len(r.ctrl_buf) < _HEADER.size + size:
+                break
+            message = pickle.loads(r.ctrl_buf[_HEADER.size : _HEADER.size + size])
+            r.ctrl_buf = r.ctrl_buf[_HEADER.size + size :]
+            self._on_message(r, message)
+
+    def _on_message(self, r: _Rank, message) -> None:
+        kind = message[0]
+        if kind == "started":
+            self.sink.handle(ev.RankStarted(r.rank, message[1]))
+        elif kind == "result":
+            r.result = message[1]
+        elif kind == "error":
+            r.error = message[1]
+
+    # -- completion and failure ---------------------------------------------------------------
+    def _maybe_finish(self, r: _Rank, now: float) -> None:
+        code = r.proc.poll()
+        if code is None:
+            return
+        if r.exited_at is None:
+            r.exited_at = now
+        if r.open > 0 and now - r.exited_at < DRAIN_GRACE_S:
+            return
+        r.done = True
+        for sock in (r.proc.out, r.proc.err, r.proc.ctrl):
+            try:
+                self.sel.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+        for stream in ("stdout", "stderr"):
+            if r.partial[stream]:
+                self._emit_line(r, stream, r.partial[stream])
+                r.partial[stream] = b""
+        if r.result is not None and code == 0:
+            self.sink.handle(ev.RankFinished(r.rank, now - r.started))
+            return
+        if self.stop_sent_at is not None and r.error is None:
+            self.sink.handle(ev.RankStopped(r.rank, "stopped after another rank failed"))
+            return
+        if r.error is not None:
+            failure = ev.RankFailed(r.rank, r.proc.pid, code, **r.error)
+        else:
+            failure = failure_from_exit(r.rank, r.proc.pid, code)
+        if self.stop_sent_at is not None and r.error is not None and _is_peer_fallout(r.error):
+            self.sink.handle(ev.RankStopped(r.rank, failure.summary()))
+            return
+        self.failures.append(failure)
+        self.sink.handle(failure)
+        if self.stop_sent_at is None:
+            self.stop(f"rank {r.rank} failed")
+
+    def stop(self, reason: str) -> None:
+        """Ask every running rank to stop (SIGTERM), SIGKILL after STOP_GRACE_S."""
+        if self.stop_sent_at is None:
+            self.stop_sent_at = time.monotonic()
+            self._signal_all(signal.SIGTERM)
+
+    def _signal_all(self, sig: int) -> None:
+        for r in self.ranks:
+            if not r.done:
+                r.proc.send_signal(sig)
+
+    def kill_now(self) -> None:
+        """On interrupt: kill every rank and wait (briefly) until each has exited."""
+        self.stop_sent_at = self.stop_sent_at or time.monotonic()
+        self._signal_all(signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        for r in self.ranks:
+            while r.proc.poll() is None and time.monotonic() < deadline:
+                if self.warm is not None:
+                    self.warm.pump()
+                time.sleep(0.01)
+
+
+def _is_peer_fallout(error: dict) -> bool:
+    # Ranks blocked in a collective with a rank that died fail with transport errors: not a root cause.
+    text = f"{error.get('exc_type', '')} {error.get('message', '')}"
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "DistBackendError"))

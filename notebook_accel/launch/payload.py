@@ -1,0 +1,76 @@
+"""The function and its arguments as bytes, for children that do not share the parent's memory.
+
+cloudpickle sends notebook-defined functions and classes by value. Cells' source lines travel too
+(they live only in the parent's linecache), so a child's traceback shows the user's code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import os
+
+import cloudpickle
+
+from .errors import UnpicklableError
+
+
+def dumps(function, args: tuple) -> bytes:
+    try:
+        return cloudpickle.dumps((function, tuple(args), _interactive_sources()))
+    except Exception as exc:
+        raise UnpicklableError(_explain(function, args, exc)) from exc
+
+
+def loads(data: bytes):
+    function, args, sources = cloudpickle.loads(data)
+    for filename, entry in sources.items():
+        linecache.cache.setdefault(filename, entry)
+    return function, args
+
+
+def _interactive_sources() -> dict:
+    # Cells compile to files that do not exist on disk (ipykernel temp names, <ipython-input-...>).
+    return {
+        name: entry
+        for name, entry in list(linecache.cache.items())
+        if len(entry) == 4 and entry[3] == name and not os.path.exists(name)
+    }
+
+
+def _fails(obj) -> bool:
+    try:
+        cloudpickle.dumps(obj)
+        return False
+    except Exception:
+        return True
+
+
+def _explain(function, args, exc: Exception) -> str:
+    """Name the first object that cannot be pickled and where it was found."""
+    hint = (
+        "Children started with start_method='spawn' or 'forkserver' receive the function and its "
+        "arguments by pickling. Create that object inside the function, or use start_method='fork'."
+    )
+    for i, arg in enumerate(args):
+        if _fails(arg):
+            return f"argument {i} ({type(arg).__name__}: {_short(arg)}) cannot be pickled: {exc}. {hint}"
+    name = getattr(function, "__qualname__", repr(function))
+    try:
+        closure = inspect.getclosurevars(function)
+    except TypeError:
+        closure = None
+    if closure is not None:
+        for kind, names in (("closure variable", closure.nonlocals), ("global", closure.globals)):
+            for var, value in names.items():
+                if _fails(value):
+                    return (
+                        f"{kind} {var!r} ({type(value).__name__}: {_short(value)}) used by {name}() "
+                        f"cannot be pickled: {exc}. {hint}"
+                    )
+    return f"function {name} cannot be pickled: {exc}. {hint}"
+
+
+def _short(obj) -> str:
+    text = repr(obj)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,269 @@
+"""Arguments + config + hardware -> a frozen LaunchPlan. Every bad input fails here, before any
+process starts (see shared/DESIGN.md, "The launch path as data")."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import LaunchConfigError
+
+START_METHODS = ("fork", "spawn", "forkserver")
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    num_processes: int  # on this node
+    start_method: str
+    engine: str  # "local" (our process manager), "elastic" (torch elastic agent) or "xla" (xmp.spawn)
+    num_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    mixed_precision: str = "no"
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_conf: dict = field(default_factory=dict)
+    rdzv_id: str = "none"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    log_line_prefix_template: Optional[str] = None
+    threads_per_process: int = 1
+    notes: tuple = ()  # one-line messages the user should see (why a default was changed)
+    env: dict = field(default_factory=dict)  # set in every child
+
+    @property
+    def world_size(self) -> int:
+        return self.num_processes * self.num_nodes
+
+    def rank_env(self, local_rank: int) -> dict:
+        rank = self.node_rank * self.num_processes + local_rank
+        return {
+            **self.env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.num_processes),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def make_plan(
+    num_processes=None,
+    mixed_precision="no",
+    use_port="29500",
+    master_addr="127.0.0.1",
+    node_rank=0,
+    num_nodes=1,
+    rdzv_backend="static",
+    rdzv_endpoint="",
+    rdzv_conf=None,
+    rdzv_id="none",
+    max_restarts=0,
+    monitor_interval=0.1,
+    log_line_prefix_template=None,
+    start_method="fork",
+    cpu: bool = False,
+) -> LaunchPlan:
+    from .. import hardware
+    from ..utils.dataclasses import parse_mixed_precision
+    from ..utils.environment import LAUNCHER_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
+
+    notes = []
+    if start_method not in START_METHODS:
+        raise LaunchConfigError(f"start_method={start_method!r} is not one of {START_METHODS}.")
+    mixed_precision = parse_mixed_precision(mixed_precision)
+    num_nodes = _positive_int("num_nodes", num_nodes)
+    node_rank = _int("node_rank", node_rank)
+    if not 0 <= node_rank < num_nodes:
+        raise LaunchConfigError(f"node_rank={node_rank} must be in 0..{num_nodes - 1} for num_nodes={num_nodes}.")
+    max_restarts = _int("max_restarts", max_restarts)
+    if max_restarts < 0:
+        raise LaunchConfigError(f"max_restarts={max_restarts} must be 0 or more.")
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise LaunchConfigError(f"rdzv_backend={rdzv_backend!r} is not one of {RDZV_BACKENDS}.")
+
+    family = None if cpu else hardware.detect_device_family()
+    if family == "xla":
+        engine = "xla"
+    elif num_nodes > 1 or max_restarts > 0 or rdzv_backend != "static":
+        engine = "elastic"
+    else:
+        engine = "local"
+
+    devices = hardware.device_count(family) if family not in (None, "mps", "xla") else 0
+    if num_processes is None:
+        num_processes = _default_num_processes(devices, engine, notes)
+    num_processes = _positive_int("num_processes", num_processes)
+    if devices and num_processes > devices:
+        raise LaunchConfigError(
+            f"num_processes={num_processes} but only {devices} {family} device(s) are visible: use at most "
+            f"{devices}, or pass cpu=True to run {num_processes} CPU processes."
+        )
+
+    if start_method == "fork":
+        _check_fork_is_safe()
+    if engine == "elastic" and rdzv_backend == "static" and num_nodes > 1 and not master_addr:
+        raise LaunchConfigError("num_nodes > 1 with rdzv_backend='static' needs master_addr (the node-0 address).")
+
+    port = _resolve_port(use_port, master_addr, check_free=(engine == "local" and num_nodes == 1))
+    threads = _threads_per_process(num_processes, start_method, notes)
+
+    env = {
+        LAUNCHER_ENV: "1",
+        MIXED_PRECISION_ENV: mixed_precision,
+        "OMP_NUM_THREADS": str(threads),
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+    }
+    if cpu:
+        env[USE_CPU_ENV] = "1"
+    if start_method == "fork":
+        env["FORK_LAUNCHED"] = "1"
+    return LaunchPlan(
+        num_processes=num_processes,
+        start_method=start_method,
+        engine=engine,
+        num_nodes=num_nodes,
+        node_rank=node_rank,
+        master_addr=master_addr or "127.0.0.1",
+        master_port=port,
+        mixed_precision=mixed_precision,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint or "",
+        rdzv_conf=dict(rdzv_conf or {}),
+        rdzv_id=str(rdzv_id),
+        max_restarts=max_restarts,
+        monitor_interval=float(monitor_interval),
+        log_line_prefix_template=log_line_prefix_template,
+        threads_per_process=threads,
+        notes=tuple(notes),
+        env=env,
+    )
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise LaunchConfigError(f"{name}={value!r} must be an integer.")
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchConfigError(f"{name}={value!r} must be an integer.") from None
+
+
+def _positive_int(name: str, value) -> int:
+    number = _int(name, value)
+    if number < 1:
+        raise LaunchConfigError(f"{name}={number} must be 1 or more.")
+    return number
+
+
+def _default_num_processes(devices: int, engine: str, notes: list) -> int:
+    configured = _configured_num_processes()
+    if configured is not None:
+        return configured
+    if devices:
+        return devices
+    if engine == "xla":
+        return 1
+    notes.append(
+        "notebook_accel: no accelerator and no config, so num_processes=1; pass num_processes=N to run N CPU ranks."
+    )
+    return 1
+
+
+def _configured_num_processes() -> Optional[int]:
+    # The config layer (notebook_accel.config) is optional here: a launch must work without it.
+    try:
+        from .. import config
+    except ImportError:
+        return None
+    loader = getattr(config, "load_default", None)
+    cfg = loader() if loader else None
+    return getattr(cfg, "num_processes", None) if cfg is not None else None
+
+
+def _check_fork_is_safe() -> None:
+    if sys.platform == "win32":
+        raise LaunchConfigError("start_method='fork' is not available on Windows; use start_method='spawn'.")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise LaunchConfigError(
+            "CUDA is already initialised in this process, and forked children cannot use it (CUDA is not "
+            "fork-safe). Use start_method='spawn' (or 'forkserver'), or restart the kernel and keep CUDA "
+            "calls inside the launched function."
+        )
+
+
+def _resolve_port(use_port, master_addr: str, check_free: bool) -> int:
+    text = str(use_port).strip().lower()
+    if text in ("auto", "0", ""):
+        return free_port(master_addr or "127.0.0.1")
+    try:
+        port = int(text)
+    except ValueError:
+        raise LaunchConfigError(f"use_port={use_port!r} must be a port number or 'auto'.") from None
+    if not 1 <= port <= 65535:
+        raise LaunchConfigError(f"use_port={port} is outside 1..65535; pass a valid port or 'auto'.")
+    if check_free and not _is_free(port, master_addr or "127.0.0.1"):
+        raise LaunchConfigError(
+            f"Port {port} on {master_addr} is already in use (another launch or program holds it); "
+            "pass use_port='auto' to pick a free one, or another port."
+        )
+    return port
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _is_free(port: int, addr: str) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return False
+    return True
+
+
+def _threads_per_process(num_processes: int, start_method: str, notes: list) -> int:
+    explicit = os.environ.get("OMP_NUM_THREADS")
+    if explicit and explicit.isdigit() and int(explicit) > 0:
+        wanted = int(explicit)
+    else:
+        wanted = max(1, _physical_cores() // num_processes)
+    if start_method == "fork" and wanted > 1 and _parent_may_have_omp_pool():
+        notes.append(
+            f"notebook_accel: forked ranks use 1 intra-op thread each, not {wanted}: GNU OpenMP hangs in "
+            "children forked after this process ran a parallel torch op. start_method='forkserver' starts "
+            f"about as fast and gives each rank {wanted} threads."
+        )
+        return 1
+    return wanted
+
+
+def _physical_cores() -> int:
+    try:
+        import psutil
+
+        cores = psutil.cpu_count(logical=False)
+    except Exception:
+        cores = None
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 1
+    return max(1, min(cores or usable, usable))
+
+
+def _parent_may_have_omp_pool() -> bool:
+    # There is no API to ask whether the pool exists; any torch with >1 intra-op thread may have one.
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.get_num_threads() > 1

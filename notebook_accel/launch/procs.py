@@ -1,0 +1,123 @@
+"""Start rank processes: fork, spawn (a fresh interpreter) or forkserver (a warm server's fork).
+
+Every rank gets three socket pairs (stdout, stderr, control); the parent keeps one end of each.
+Every rank leads its own process group, so stopping it stops its children (DataLoader workers) too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Callable, Optional
+
+from . import worker
+
+
+class RankProcess:
+    """The parent's handle on one local rank."""
+
+    def __init__(self, local_rank: int, pid: int, channels: tuple, exit_status: Optional[Callable] = None):
+        self.local_rank = local_rank
+        self.pid = pid
+        self.out, self.err, self.ctrl = channels
+        self._exit_status = exit_status  # for ranks that are not our children (forkserver)
+        self.exitcode: Optional[int] = None
+        self.exit_fd: Optional[int] = None
+        if exit_status is None and hasattr(os, "pidfd_open"):
+            try:
+                self.exit_fd = os.pidfd_open(pid)
+            except OSError:
+                self.exit_fd = None
+
+    def poll(self) -> Optional[int]:
+        """Exit code (negative: killed by that signal), or None while running."""
+        if self.exitcode is not None:
+            return self.exitcode
+        if self._exit_status is not None:
+            self.exitcode = self._exit_status(self.pid)
+            return self.exitcode
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            self.exitcode = -signal.SIGKILL if self.exitcode is None else self.exitcode
+            return self.exitcode
+        if pid:
+            self.exitcode = os.waitstatus_to_exitcode(status)
+        return self.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is not None:
+            return
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        for sock in (self.out, self.err, self.ctrl):
+            try:
+                sock.close()
+            except OSError:
+                pass
+        if self.exit_fd is not None:
+            os.close(self.exit_fd)
+            self.exit_fd = None
+
+
+def _channels():
+    pairs = [socket.socketpair() for _ in range(3)]
+    return tuple(p for p, _ in pairs), tuple(c for _, c in pairs)
+
+
+def start_fork(local_rank: int, rank: int, env: dict, threads: int, function, args) -> RankProcess:
+    parents, children = _channels()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            for sock in parents:
+                sock.close()
+            fds = tuple(c.detach() for c in children)
+            code = worker.run(rank, fds, env, threads, lambda: (function, args))
+        finally:
+            os._exit(code)
+    for sock in children:
+        sock.close()
+    return RankProcess(local_rank, pid, parents)
+
+
+SPAWN_CODE = "from notebook_accel.launch.worker import spawn_main; spawn_main()"
+
+
+def start_spawn(local_rank: int, rank: int, env: dict, threads: int, payload: bytes) -> RankProcess:
+    parents, children = _channels()
+    out_c, err_c, ctrl_c = children
+    child_env = dict(os.environ)
+    child_env.update(env)
+    child_env["NOTEBOOK_ACCEL_CTRL_FD"] = str(ctrl_c.fileno())
+    # The child must import what cloudpickle stored by reference: give it our sys.path.
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SPAWN_CODE],
+        stdin=subprocess.DEVNULL,
+        stdout=out_c.fileno(),
+        stderr=err_c.fileno(),
+        pass_fds=(ctrl_c.fileno(),),
+        start_new_session=True,
+        env=child_env,
+    )
+    for sock in children:
+        sock.close()
+    handle = RankProcess(local_rank, proc.pid, parents)
+    proc.returncode = 0  # we reap it ourselves; stop Popen's destructor from warning
+    worker.send_frame(handle.ctrl, (rank, env, threads, payload))
+    return handle

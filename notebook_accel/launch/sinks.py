@@ -1,0 +1,73 @@
+"""Where launch events go. The launcher knows only `Sink.handle(event)` and `Sink.close()`."""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterable
+
+from . import events as ev
+
+
+class Sink:
+    def handle(self, event) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleSink(Sink):
+    """`[rank N] line` on the parent's sys.stdout / sys.stderr, so a notebook shows it in the cell."""
+
+    def __init__(self, show_lifecycle: bool = False):
+        self.show_lifecycle = show_lifecycle
+
+    def handle(self, event) -> None:
+        if isinstance(event, ev.RankOutput):
+            stream = sys.stderr if event.stream == "stderr" else sys.stdout
+            stream.write(f"[rank {event.rank}] {event.text}\n")
+        elif isinstance(event, ev.RankFailed):
+            sys.stderr.write(f"[rank {event.rank}] FAILED: {event.summary()}\n")
+        elif self.show_lifecycle and isinstance(event, ev.RankStarted):
+            sys.stdout.write(f"[rank {event.rank}] started (pid {event.pid})\n")
+
+    def close(self) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+
+
+class ListSink(Sink):
+    """Keeps every event; for tests and for code that inspects a launch afterwards."""
+
+    def __init__(self):
+        self.events: list = []
+
+    def handle(self, event) -> None:
+        self.events.append(event)
+
+    def lines(self, rank: int, stream: str = "stdout") -> list:
+        return [e.text for e in self.events if isinstance(e, ev.RankOutput) and e.rank == rank and e.stream == stream]
+
+
+class Fanout(Sink):
+    """Deliver to several sinks; one sink's error must not stop the launch or the others."""
+
+    def __init__(self, sinks: Iterable[Sink]):
+        self.sinks = list(sinks)
+
+    def handle(self, event) -> None:
+        for sink in self.sinks:
+            try:
+                sink.handle(event)
+            except Exception as exc:  # a display bug must never kill training
+                sys.__stderr__.write(f"notebook_accel: sink {type(sink).__name__} failed: {exc!r}\n")
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception:
+                pass

@@ -1,0 +1,187 @@
+"""The warm forkserver: a helper process that imported torch once and forks ranks on request.
+
+It never runs a parallel torch op, so its children are safe from the GNU OpenMP fork hang, and a
+launch from a kernel that already computed costs a fork, not an interpreter start plus torch import.
+One server per launching process; it exits when that process goes away (its stdin closes).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from typing import Optional
+
+from . import worker
+
+_FDS = struct.Struct("!Q")
+SERVER_CODE = "from notebook_accel.launch.warm import serve; serve()"
+PRELOAD = ("torch", "torch.distributed", "cloudpickle", "notebook_accel.state", "notebook_accel.launch.payload")
+
+
+# -- server side ------------------------------------------------------------------------------
+def serve() -> None:
+    import importlib
+
+    sock = socket.socket(fileno=int(os.environ.pop("NOTEBOOK_ACCEL_SERVER_FD")))
+    for name in PRELOAD:
+        importlib.import_module(name)
+    worker.send_frame(sock, ("ready", os.getpid()))
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ, "request")
+    sel.register(sys.stdin, selectors.EVENT_READ, "lifeline")
+    children: set = set()
+    while True:
+        for key, _ in sel.select(timeout=0.05):
+            if key.data == "lifeline":
+                if not os.read(sys.stdin.fileno(), 1024):
+                    os._exit(0)
+            else:
+                try:
+                    request, fds = _recv_request(sock)
+                except EOFError:
+                    os._exit(0)
+                pid = _fork_rank(request, fds, sock)
+                children.add(pid)
+                worker.send_frame(sock, ("pid", request["local_rank"], pid))
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                worker.send_frame(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
+
+
+def _recv_request(sock: socket.socket):
+    header, fds, _flags, _addr = socket.recv_fds(sock, _FDS.size, 3)
+    if not header:
+        raise EOFError
+    header += worker.recv_exact(sock, _FDS.size - len(header)) if len(header) < _FDS.size else b""
+    (size,) = _FDS.unpack(header)
+    import pickle
+
+    return pickle.loads(worker.recv_exact(sock, size)), fds
+
+
+def _fork_rank(request: dict, fds: list, server_sock: socket.socket) -> int:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            server_sock.close()
+            payload = request["payload"]
+
+            def load():
+                from .payload import loads
+
+                return loads(payload)
+
+            code = worker.run(request["rank"], tuple(fds), request["env"], request["threads"], load)
+        finally:
+            os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    return pid
+
+
+# -- client side ------------------------------------------------------------------------------
+class WarmServer:
+    """The parent's connection to its forkserver; `WarmServer.get()` starts it on first use."""
+
+    _instance: Optional["WarmServer"] = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["NOTEBOOK_ACCEL_SERVER_FD"] = str(theirs.fileno())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # A server that has never run a parallel op may keep the default thread count.
+        env.pop("OMP_NUM_THREADS", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER_CODE],
+            stdin=subprocess.PIPE,
+            pass_fds=(theirs.fileno(),),
+            start_new_session=True,
+            env=env,
+        )
+        theirs.close()
+        self.sock = mine
+        self.exits: dict = {}
+        self.pids: dict = {}
+        kind, self.pid = worker.recv_frame(self.sock)
+        if kind != "ready":
+            raise RuntimeError(f"notebook_accel forkserver failed to start: {kind!r}")
+
+    @classmethod
+    def get(cls) -> "WarmServer":
+        with cls._lock:
+            if cls._instance is None or cls._instance.proc.poll() is not None:
+                cls._instance = cls()
+            return cls._instance
+
+    @classmethod
+    def shutdown(cls) -> None:
+        with cls._lock:
+            if cls._instance is not None:
+                cls._instance.close()
+                cls._instance = None
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=5)
+        except Exception:
+            self.proc.kill()
+        self.sock.close()
+
+    def start_rank(self, local_rank: int, rank: int, env: dict, threads: int, payload: bytes):
+        from .procs import RankProcess, _channels
+
+        parents, children = _channels()
+        import pickle
+
+        body = pickle.dumps(
+            {"local_rank": local_rank, "rank": rank, "env": env, "threads": threads, "payload": payload},
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        socket.send_fds(self.sock, [_FDS.pack(len(body))], [c.fileno() for c in children])
+        self.sock.sendall(body)
+        for sock in children:
+            sock.close()
+        pid = self._wait_for("pid", local_rank)
+        return RankProcess(local_rank, pid, parents, exit_status=self.exit_status)
+
+    def _wait_for(self, kind: str, key):
+        while True:
+            message = worker.recv_frame(self.sock)
+            if message[0] == "exit":
+                self.exits[message[1]] = message[2]
+            elif message[0] == kind and message[1] == key:
+                return message[2]
+
+    def pump(self) -> None:
+        """Read exit notices that have arrived (call when the socket is readable)."""
+        self.sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    header = self.sock.recv(8, socket.MSG_PEEK)
+                except BlockingIOError:
+                    return
+                if not header:
+                    return
+                self.sock.setblocking(True)
+                message = worker.recv_frame(self.sock)
+                self.sock.setblocking(False)
+                if message[0] == "exit":
+                    self.exits[message[1]] = message[2]
+        finally:
+            self.sock.setblocking(True)
+
+    def exit_status(self, pid: int) -> Optional[int]:
+        return self.exits.pop(pid, None) if pid in self.exits else None

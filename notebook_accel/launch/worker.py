@@ -1,0 +1,158 @@
+"""What runs inside each child: take over fds 1 and 2, run the function, report back.
+
+A child receives three connected sockets: `out` and `err` become fds 1 and 2 (so C-level output
+is caught too), `ctrl` carries framed messages: ("started", pid), ("result", bytes), ("error", dict).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import traceback
+
+_HEADER = struct.Struct("!Q")
+
+
+def send_frame(sock: socket.socket, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("connection closed mid-frame")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_frame(sock: socket.socket):
+    (size,) = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+    return pickle.loads(recv_exact(sock, size))
+
+
+def _die_with_parent() -> None:
+    # Linux: if the launching process dies (kernel killed, OOM), take this rank down too.
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _take_over_stdio(out_fd: int, err_fd: int) -> None:
+    sys.stdout.flush() if sys.stdout else None
+    sys.stderr.flush() if sys.stderr else None
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    # A forked kernel's sys.stdout would talk to the kernel's sockets: write to the fds instead.
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+
+
+def _prepare_process(env: dict, threads: int) -> None:
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(threads)
+    from .. import state
+
+    # A forked child inherits the parent's resolved state; this process is a different rank.
+    state.PartialState._reset_state()
+    state.AcceleratorState._reset_state()
+    state.GradientState._reset_state()
+
+
+def _error_report(exc: BaseException) -> dict:
+    tb = exc.__traceback__
+    # Drop this module's frames: the user's code starts below them.
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    kind = type(exc)
+    name = kind.__name__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__name__}"
+    return {"exc_type": name, "message": str(exc), "traceback": text}
+
+
+def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
+    """Run one rank; `load()` returns (function, args). Returns the process exit code."""
+    out_fd, err_fd, ctrl_fd = fds
+    _die_with_parent()
+    _take_over_stdio(out_fd, err_fd)
+    os.close(out_fd)
+    os.close(err_fd)
+    ctrl = socket.socket(fileno=ctrl_fd)
+    code = 1
+    try:
+        send_frame(ctrl, ("started", os.getpid()))
+        try:
+            _prepare_process(env, threads)
+            function, args = load()
+            result = function(*args)
+        except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
+            _flush()
+            send_frame(ctrl, ("error", _error_report(exc)))
+            return 1
+        _flush()
+        import cloudpickle
+
+        try:
+            data = cloudpickle.dumps(result)
+        except Exception as exc:
+            msg = f"the return value of rank {rank} ({type(result).__name__}) cannot be pickled: {exc}"
+            send_frame(ctrl, ("error", {"exc_type": "PicklingError", "message": msg, "traceback": ""}))
+            return 1
+        send_frame(ctrl, ("result", data))
+        code = 0
+    finally:
+        _flush()
+        _destroy_group()
+        ctrl.close()
+    return code
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _destroy_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def spawn_main() -> None:
+    """Entry of a spawned child: out/err are fds 1 and 2 already; the spec comes on the ctrl socket."""
+    ctrl_fd = int(os.environ.pop("NOTEBOOK_ACCEL_CTRL_FD"))
+    with socket.socket(fileno=os.dup(ctrl_fd)) as ctrl:
+        rank, env, threads, payload = recv_frame(ctrl)
+
+    def load():
+        from .payload import loads
+
+        return loads(payload)
+
+    os._exit(run(rank, (os.dup(1), os.dup(2), ctrl_fd), env, threads, load))

@@ -1,0 +1,291 @@
+"""Multi-node and restarts on torch.distributed.elastic, with our output capture and results.
+
+The elastic agent starts, watches and restarts the workers; each worker connects back to a Unix
+socket of ours (stdout, stderr, control), so output, results and tracebacks travel as in a local
+launch. The agent runs in a thread; this thread reads the sockets and drives the sinks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import selectors
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+
+from . import events as ev
+from .errors import LaunchFailedError, failure_from_exit
+
+_HEADER = struct.Struct("!Q")
+GO, STOP = b"g", b"s"
+
+
+def launch_elastic(plan, function, args: tuple, sink) -> list:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    payload = None
+    if plan.start_method != "fork":
+        from .payload import dumps
+
+        payload = dumps(function, args)
+    hub = _Hub(plan, sink)
+    endpoint = plan.rdzv_endpoint or f"{plan.master_addr}:{plan.master_port}"
+    conf = dict(plan.rdzv_conf)
+    if plan.rdzv_backend == "static":
+        conf.setdefault("rank", plan.node_rank)
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    config = LaunchConfig(
+        min_nodes=plan.num_nodes,
+        max_nodes=plan.num_nodes,
+        nproc_per_node=plan.num_processes,
+        run_id=plan.rdzv_id,  # every node must pass the same id to meet
+        role="notebook_accel",
+        rdzv_endpoint=endpoint,
+        rdzv_backend=plan.rdzv_backend,
+        rdzv_configs=conf,
+        max_restarts=plan.max_restarts,
+        monitor_interval=plan.monitor_interval,
+        start_method=plan.start_method,
+        log_line_prefix_template=plan.log_line_prefix_template,
+        logs_specs=DefaultLogsSpecs(log_dir=hub.tmp),
+    )
+    target = (function, args) if payload is None else payload
+    outcome = {}
+
+    def agent():
+        try:
+            outcome["value"] = elastic_launch(config, _entry)(hub.path, plan.env, plan.threads_per_process, target)
+        except BaseException as exc:  # reported by the reading thread
+            outcome["error"] = exc
+
+    sink.handle(ev.LaunchStarted(plan.num_processes, plan.start_method, plan.world_size, plan.node_rank))
+    started = time.monotonic()
+    thread = threading.Thread(target=agent, name="notebook_accel-elastic-agent", daemon=True)
+    thread.start()
+    try:
+        with _quiet_torch_loggers():
+            hub.serve_until(thread)
+    except BaseException:
+        hub.stop_everything(thread)
+        sink.handle(ev.LaunchFinished(False, time.monotonic() - started))
+        raise
+    finally:
+        hub.close()
+    error = outcome.get("error")
+    if error is not None:
+        reports = hub.final_failures()
+        if not reports and isinstance(error, ChildFailedError):
+            reports = [failure_from_exit(r, f.pid, f.exitcode) for r, f in sorted(error.failures.items())]
+        sink.handle(ev.LaunchFinished(False, time.monotonic() - started, tuple(r.rank for r in reports)))
+        if reports:
+            raise LaunchFailedError(reports) from error
+        raise error
+    sink.handle(ev.LaunchFinished(True, time.monotonic() - started))
+    return hub.results()
+
+
+@contextlib.contextmanager
+def _quiet_torch_loggers():
+    # The agent logs every worker failure with its own traceback; ours is already shown, once.
+    names = ("torch.distributed.elastic", "torch.multiprocessing.spawn")
+    saved = {n: logging.getLogger(n).level for n in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _entry(hub_path: str, env: dict, threads: int, target):
+    """Runs in each elastic worker: connect back, wait for the go-ahead, run as a local rank does."""
+    from . import worker
+
+    os.setpgid(0, 0)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ["RANK"])  # c10d assigns node order at rendezvous, not by node_rank
+    fds = []
+    for channel in ("stdout", "stderr", "ctrl"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(hub_path)
+        sock.sendall(f"{local_rank} {attempt} {channel} {rank}\n".encode())
+        fds.append(sock)
+    if fds[2].recv(1) != GO:
+        os._exit(1)  # the launch is being stopped: do not start
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+    def load():
+        if isinstance(target, bytes):
+            from .payload import loads
+
+            return loads(target)
+        return target
+
+    code = worker.run(rank, tuple(s.detach() for s in fds), env, threads, load)
+    if code != 0:
+        os._exit(code)  # the traceback already went to the launcher; exit non-zero so the agent sees it
+    return None
+
+
+class _Conn:
+    def __init__(self, sock):
+        self.sock = sock
+        self.head = b""
+        self.key = None  # (local_rank, attempt, channel, rank) once the header line has arrived
+        self.buf = b""
+
+
+class _Hub:
+    """Accepts worker connections and turns their bytes into events; keeps each rank's last attempt."""
+
+    def __init__(self, plan, sink):
+        self.plan = plan
+        self.sink = sink
+        self.tmp = tempfile.mkdtemp(prefix="notebook_accel-")
+        self.path = os.path.join(self.tmp, "hub.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.listener, selectors.EVENT_READ, None)
+        self.open = 0
+        self.stopping = False
+        self.pids: dict = {}  # (local_rank, attempt) -> pid
+        self.ranks: dict = {}  # local_rank -> global rank of its latest attempt
+        self.outcomes: dict = {}  # local_rank -> (attempt, "result"/"error", value)
+
+    def serve_until(self, thread: threading.Thread) -> None:
+        drained_at = None
+        while True:
+            for key, _ in self.sel.select(timeout=0.05):
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read(key.data)
+            if not thread.is_alive():
+                drained_at = drained_at or time.monotonic()
+                if self.open == 0 or time.monotonic() - drained_at > 2.0:
+                    return
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(False)
+            self.sel.register(sock, selectors.EVENT_READ, _Conn(sock))
+            self.open += 1
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except ConnectionError:
+            data = b""
+        eof = not data
+        if conn.key is None:
+            conn.head += data
+            if b"\n" not in conn.head:
+                if eof:
+                    self.sel.unregister(conn.sock)
+                    conn.sock.close()
+                    self.open -= 1
+                return
+            line, _, data = conn.head.partition(b"\n")
+            local_rank, attempt, channel, rank = line.decode().split()
+            conn.key = (int(local_rank), int(attempt), channel, int(rank))
+            if channel == "ctrl":
+                conn.sock.setblocking(True)
+                conn.sock.sendall(STOP if self.stopping else GO)
+                conn.sock.setblocking(False)
+        local_rank, attempt, channel, rank = conn.key
+        if eof:
+            self.sel.unregister(conn.sock)
+            conn.sock.close()
+            self.open -= 1
+            if channel != "ctrl" and conn.buf:
+                self.sink.handle(ev.RankOutput(rank, channel, conn.buf.decode("utf-8", "replace")))
+            return
+        conn.buf += data
+        if channel == "ctrl":
+            self._messages(conn, local_rank, attempt, rank)
+            return
+        *lines, conn.buf = conn.buf.split(b"\n")
+        for line in lines:
+            self.sink.handle(ev.RankOutput(rank, channel, line.decode("utf-8", "replace").rstrip("\r")))
+
+    def _messages(self, conn: _Conn, local_rank: int, attempt: int, rank: int) -> None:
+        while len(conn.buf) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(conn.buf)
+            if len(conn.buf) < _HEADER.size + size:
+                return
+            kind, *rest = pickle.loads(conn.buf[_HEADER.size : _HEADER.size + size])
+            conn.buf = conn.buf[_HEADER.size + size :]
+            if kind == "started":
+                self.ranks[local_rank] = rank
+                self.pids[(local_rank, attempt)] = rest[0]
+                self.sink.handle(ev.RankStarted(rank, rest[0]))
+            elif kind in ("result", "error"):
+                self.outcomes[local_rank] = (attempt, kind, rest[0])
+                if kind == "result":
+                    self.sink.handle(ev.RankFinished(rank, 0.0))
+                else:
+                    pid = self.pids.get((local_rank, attempt))
+                    self.sink.handle(ev.RankFailed(rank, pid, 1, **rest[0]))
+
+    def final_failures(self) -> list:
+        reports = []
+        for local_rank, (attempt, kind, value) in sorted(self.outcomes.items()):
+            if kind == "error":
+                rank = self.ranks.get(local_rank, local_rank)
+                reports.append(ev.RankFailed(rank, self.pids.get((local_rank, attempt)), 1, **value))
+        return reports
+
+    def results(self) -> list:
+        out = []
+        for local_rank in range(self.plan.num_processes):
+            attempt, kind, value = self.outcomes.get(local_rank, (None, None, None))
+            if kind != "result":
+                raise RuntimeError(f"local rank {local_rank} finished without sending its result")
+            out.append(pickle.loads(value))
+        return out
+
+    def stop_everything(self, thread: threading.Thread) -> None:
+        """Interrupt: refuse new attempts, kill running workers, wait for the agent to give up."""
+        import signal
+
+        self.stopping = True
+        deadline = time.monotonic() + 10.0
+        while thread.is_alive() and time.monotonic() < deadline:
+            for pid in list(self.pids.values()):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            for key, _ in self.sel.select(timeout=0.05):
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read(key.data)
+
+    def close(self) -> None:
+        for key in list(self.sel.get_map().values()):
+            try:
+                key.fileobj.close()
+            except OSError:
+                pass
+        self.sel.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -81,7 +81,9 @@ def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = Fals
         return False
     device = os.environ.get("PJRT_DEVICE", "").upper()
     if check_is_tpu:
-        return device == "TPU" or bool(os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR"))
+        return device == "TPU" or any(
+            os.environ.get(k) for k in ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE")
+        )
     if check_is_gpu:
         return device in ("GPU", "CUDA")
     return True

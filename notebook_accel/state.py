@@ -66,6 +66,15 @@ def _init_process_group(backend: str, env, timeout: Optional[datetime.timedelta]
     kwargs = {"backend": backend, "rank": env.rank, "world_size": env.world_size}
     if timeout is not None:
         kwargs["timeout"] = timeout
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torch's static rendezvous keeps one agent store across restarts with no per-attempt
+        # prefix, so a restarted rank can read a dead peer's address and fail to connect.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size, is_master=False,
+            timeout=timeout or datetime.timedelta(minutes=30),
+        )  # fmt: skip
+        kwargs["store"] = dist.PrefixStore(f"/notebook_accel/attempt_{attempt}", store)
     dist.init_process_group(**kwargs)
 
 
@@ -78,6 +87,14 @@ class PartialState:
         self.__dict__ = self._shared_state
         if self.initialized:
             return
+        try:
+            self._resolve(cpu, kwargs)
+        except BaseException:
+            # A half-resolved state would pass `initialized` and mislead every later instance.
+            self.__dict__.clear()
+            raise
+
+    def _resolve(self, cpu: bool, kwargs: dict) -> None:
         env = read_launch_env()
         cpu = bool(cpu) or parse_bool(os.environ.get(USE_CPU_ENV, "0"))
         family = None if cpu else hardware.detect_device_family()
@@ -313,9 +330,11 @@ class AcceleratorState:
                     "(in a notebook, create the Accelerator inside the launched function)."
                 )
             return
+        # Parse the environment's choice before anything is stored, so a bad value leaves no half state.
+        mixed_precision = requested or parse_mixed_precision(os.environ.get(MIXED_PRECISION_ENV, "no"))
         partial = PartialState(cpu, **kwargs)
         self._partial = partial
-        self._mixed_precision = requested or parse_mixed_precision(os.environ.get(MIXED_PRECISION_ENV, "no"))
+        self._mixed_precision = mixed_precision
         self.dynamo_plugin = dynamo_plugin
         self.deepspeed_plugin = deepspeed_plugin
         self.fsdp_plugin = fsdp_plugin

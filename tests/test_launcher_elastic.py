@@ -1,0 +1,86 @@
+"""Multi-node (two launchers on localhost) and restarts, through torch elastic, in real processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+from elastic_targets import always_fail, fail_once, ranks_and_sum
+
+from notebook_accel import notebook_launcher
+from notebook_accel.launch import LaunchFailedError, ListSink, RankOutput
+from notebook_accel.launch.plan import free_port, make_plan
+
+HERE = os.path.dirname(__file__)
+
+
+def _no_children_left():
+    psutil.wait_procs(psutil.Process().children(recursive=True), timeout=5)
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+
+
+def test_restarts_choose_elastic_engine():
+    assert make_plan(num_processes=2, max_restarts=1, use_port="auto").engine == "elastic"
+    assert make_plan(num_processes=2, num_nodes=2, use_port="auto").engine == "elastic"
+    assert make_plan(num_processes=2, rdzv_backend="c10d", use_port="auto").engine == "elastic"
+    assert make_plan(num_processes=2, use_port="auto").engine == "local"
+
+
+@pytest.mark.timeout(90)
+def test_two_nodes_on_localhost_meet_and_sum():
+    port = str(free_port())
+    script = os.path.join(HERE, "elastic_targets.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    nodes = [
+        subprocess.Popen([sys.executable, script, str(i), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        for i in (0, 1)
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            out, err = node.communicate(timeout=80)
+            assert node.returncode == 0, err.decode()[-3000:]
+            outputs.append(out.decode())
+    finally:
+        for node in nodes:
+            node.kill()
+    results = []
+    for text in outputs:
+        line = [ln for ln in text.splitlines() if ln.startswith("RESULTS ")]
+        assert line, text
+        results += json.loads(line[0][len("RESULTS ") :])
+        # each node printed its ranks' lines, prefixed with the global rank
+        assert "of 4 on local rank" in text
+    assert sorted(r[0] for r in results) == [0, 1, 2, 3]
+    assert all(r[2] == 4 and r[3] == 6.0 and r[4] == "MULTI_CPU" for r in results)
+    assert sorted(r[1] for r in results) == [0, 0, 1, 1]
+
+
+@pytest.mark.timeout(90)
+def test_restart_after_a_failure_returns_the_second_attempt(tmp_path):
+    sink = ListSink()
+    results = notebook_launcher(fail_once, (str(tmp_path),), num_processes=2, max_restarts=1, use_port="auto", sinks=[sink])
+    assert (tmp_path / "failed-once").exists()
+    assert results == [(0, 1), (1, 1)]
+    assert not _no_children_left()
+
+
+@pytest.mark.timeout(90)
+def test_elastic_failure_without_restarts_names_rank_and_source():
+    with pytest.raises(LaunchFailedError) as info:
+        notebook_launcher(always_fail, num_processes=2, max_restarts=0, rdzv_backend="c10d", use_port="auto", sinks=[])
+    text = str(info.value)
+    assert "rank 0 raised KeyError" in text
+    assert 'raise KeyError("no such key on rank 0")' in text
+    assert not _no_children_left()
+
+
+@pytest.mark.timeout(90)
+def test_elastic_output_is_captured_per_rank():
+    sink = ListSink()
+    results = notebook_launcher(ranks_and_sum, num_processes=2, max_restarts=1, use_port="auto", sinks=[sink])
+    assert [r[0] for r in results] == [0, 1]
+    lines = {e.rank: e.text for e in sink.events if isinstance(e, RankOutput)}
+    assert lines == {0: "rank 0 of 2 on local rank 0", 1: "rank 1 of 2 on local rank 1"}

@@ -1,0 +1,290 @@
+"""Launch latency and log relay of notebook_accel's launcher, against baselines measured in the same run.
+
+Every configuration does the same work on each rank: join a gloo process group on 127.0.0.1,
+all_reduce one tensor, leave. Configurations run round-robin (not one block after another) so
+that load from other programs on the machine spreads over all of them alike.
+
+    python benchmarks/launch.py [--reps 10] [--spawn-reps 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+import torch  # the parent imports torch once, as a notebook kernel would; it runs no torch op
+
+LAUNCH_TIMEOUT_S = 120
+
+
+# -- the work, one function per way of launching ----------------------------------------------
+def raw_work(index: int, world: int, port: int) -> None:
+    # First thing: a forked child must not use a multi-threaded OpenMP pool (MACHINE-NOTES "fork hang").
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world, t
+    dist.destroy_process_group()
+
+
+def ours_work():
+    import torch.distributed as dist
+
+    from notebook_accel import PartialState
+
+    state = PartialState()  # joins the gloo group the launcher described
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == state.num_processes, t
+    return state.process_index
+
+
+def accelerate_work(report_dir: str, cpu: bool) -> None:
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    state = PartialState(cpu=cpu)
+    t = torch.ones(1)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    # accelerate's launcher returns nothing: each rank writes down what it saw.
+    seen = {"process_index": state.process_index, "num_processes": state.num_processes,
+            "distributed_type": str(state.distributed_type), "group": dist.is_initialized(), "sum": t.item()}  # fmt: skip
+    with open(os.path.join(report_dir, f"{os.getpid()}.json"), "w") as f:
+        json.dump(seen, f)
+
+
+def relay_work(lines: int) -> int:
+    from notebook_accel import PartialState
+
+    rank = PartialState().process_index
+    for i in range(lines):
+        print(f"rank {rank} line {i}")
+    return lines
+
+
+# -- launching -------------------------------------------------------------------------------
+def _port() -> int:
+    from notebook_accel.launch.plan import free_port
+
+    return free_port()
+
+
+def launch_raw(world: int, method: str) -> None:
+    import torch.multiprocessing as tmp
+
+    tmp.start_processes(raw_work, args=(world, _port()), nprocs=world, join=True, start_method=method)
+
+
+def launch_ours(world: int, method: str) -> None:
+    from notebook_accel import notebook_launcher
+
+    assert notebook_launcher(ours_work, num_processes=world, use_port="auto", start_method=method) == list(
+        range(world)
+    )
+
+
+def launch_accelerate(world: int, cpu: bool, seen: list, said: set) -> None:
+    from accelerate import notebook_launcher as accelerate_launcher
+
+    with tempfile.TemporaryDirectory() as report_dir:
+        # It prints a banner in the parent; keep it out of the table and report it once.
+        banner = io.StringIO()
+        with contextlib.redirect_stdout(banner):
+            accelerate_launcher(
+                accelerate_work, args=(report_dir, cpu), num_processes=world, use_port=str(_port())
+            )
+        said.update(line for line in banner.getvalue().splitlines() if line.strip())
+        for name in sorted(os.listdir(report_dir)):
+            with open(os.path.join(report_dir, name)) as f:
+                seen.append(json.load(f))
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(_signum, _frame):
+    raise _Timeout()
+
+
+def timed(call) -> float:
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(LAUNCH_TIMEOUT_S)  # a hang becomes a failed sample, not a stuck benchmark
+    try:
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+    finally:
+        signal.alarm(0)
+
+
+def accelerate_available() -> bool:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+def measure_launches(ranks: list, reps: int, spawn_reps: int, with_accelerate: bool) -> dict:
+    configs = {}  # name -> (call, repetitions)
+    accelerate_seen: dict = {}
+    accelerate_said: set = set()
+    for world in ranks:
+        configs[f"raw fork/{world}"] = (lambda w=world: launch_raw(w, "fork"), reps)
+        configs[f"ours fork/{world}"] = (lambda w=world: launch_ours(w, "fork"), reps)
+        configs[f"ours forkserver warm/{world}"] = (lambda w=world: launch_ours(w, "forkserver"), reps)
+        configs[f"raw spawn/{world}"] = (lambda w=world: launch_raw(w, "spawn"), spawn_reps)
+        configs[f"ours spawn/{world}"] = (lambda w=world: launch_ours(w, "spawn"), spawn_reps)
+        if with_accelerate:
+            for cpu in (False, True):
+                seen = accelerate_seen.setdefault(f"{world}/cpu={cpu}", [])
+                name = f"accelerate{' cpu=True' if cpu else ''}/{world}"
+                configs[name] = (
+                    lambda w=world, c=cpu, s=seen: launch_accelerate(w, c, s, accelerate_said),
+                    reps,
+                )
+
+    samples = {name: [] for name in configs}
+    errors = {}
+    # The forkserver's first launch starts the server (interpreter + torch import): reported apart.
+    first = {
+        f"ours forkserver first/{w}": [timed(lambda w=w: launch_ours(w, "forkserver"))] for w in ranks[:1]
+    }
+    for rep in range(max(reps, spawn_reps)):
+        for name, (call, count) in configs.items():
+            if rep >= count or name in errors:
+                continue
+            try:
+                samples[name].append(timed(call))
+            except BaseException as exc:  # keep measuring the others; report what went wrong
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        print(f"round {rep + 1} done", file=sys.stderr, flush=True)
+    for name, values in first.items():
+        samples[name] = values
+    for key in accelerate_seen:
+        accelerate_seen[key] = _distinct(accelerate_seen[key])
+    return {"samples": samples, "errors": errors, "accelerate_seen": accelerate_seen,
+            "accelerate_said": sorted(accelerate_said)}  # fmt: skip
+
+
+def _distinct(records: list) -> list:
+    """Each different record once, with how many rank-runs reported it."""
+    out: list = []
+    for r in records:
+        match = next((o for o in out if o["seen"] == r), None)
+        if match is None:
+            out.append({"seen": r, "reports": 1})
+        else:
+            match["reports"] += 1
+    return out
+
+
+def measure_relay(world: int, lines: int) -> dict:
+    from notebook_accel.launch import ListSink, notebook_launcher
+
+    sink = ListSink()
+    start = time.perf_counter()
+    notebook_launcher(relay_work, args=(lines,), num_processes=world, use_port="auto", sinks=[sink])
+    elapsed = time.perf_counter() - start
+    complete = all(sink.lines(r) == [f"rank {r} line {i}" for i in range(lines)] for r in range(world))
+    total = world * lines
+    return {"ranks": world, "lines_per_rank": lines, "seconds": elapsed, "lines_per_s": total / elapsed,
+            "complete_and_ordered": complete, "received": sum(len(sink.lines(r)) for r in range(world))}  # fmt: skip
+
+
+def summarize(result: dict, ranks: list) -> dict:
+    med = {name: statistics.median(v) for name, v in result["samples"].items() if v}
+    ratios = []
+    for w in ranks:
+        for num, den, target in (
+            ("ours fork", "raw fork", 1.2),
+            ("ours forkserver warm", "raw fork", 1.3),
+            ("ours spawn", "raw spawn", 1.1),
+            ("accelerate", "raw fork", None),
+            ("accelerate cpu=True", "raw fork", None),
+        ):
+            a, b = med.get(f"{num}/{w}"), med.get(f"{den}/{w}")
+            if a is not None and b is not None:
+                ratios.append({"ranks": w, "ratio": f"{num} / {den}", "value": a / b, "target": target})
+    return {"medians": med, "ratios": ratios}
+
+
+def markdown(result: dict, summary: dict, relay: dict) -> str:
+    rows = ["| configuration | ranks | runs | median (s) | min (s) |", "|---|---|---|---|---|"]
+    for name, values in result["samples"].items():
+        if values:
+            label, world = name.rsplit("/", 1)
+            rows.append(
+                f"| {label} | {world} | {len(values)} | {statistics.median(values):.3f} | {min(values):.3f} |"
+            )
+    rows += ["", "| ratio (medians) | ranks | value | target | met |", "|---|---|---|---|---|"]
+    for r in summary["ratios"]:
+        target = f"<= {r['target']}" if r["target"] else "-"
+        met = ("yes" if r["value"] <= r["target"] else "NO") if r["target"] else "-"
+        rows.append(f"| {r['ratio']} | {r['ranks']} | {r['value']:.3f} | {target} | {met} |")
+    for name, error in result["errors"].items():
+        rows.append(f"\nfailed: {name}: {error}")
+    if result["accelerate_said"]:
+        rows.append(f"\naccelerate's launcher printed: {result['accelerate_said']}")
+    for key, seen in result["accelerate_seen"].items():
+        world, cpu = key.split("/")
+        for item in seen:
+            rows.append(
+                f"\naccelerate, {world} ranks launched, PartialState({cpu}): {item['reports']} rank-runs saw {item['seen']}"
+            )
+    rows += ["", "| log relay | value |", "|---|---|",
+             f"| ranks x lines | {relay['ranks']} x {relay['lines_per_rank']} |",
+             f"| lines received | {relay['received']} |",
+             f"| complete, in per-rank order | {'yes' if relay['complete_and_ordered'] else 'NO'} |",
+             f"| wall time (s) | {relay['seconds']:.2f} |",
+             f"| lines/s | {relay['lines_per_s']:,.0f} |"]  # fmt: skip
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--reps", type=int, default=10, help="runs of each fast configuration")
+    parser.add_argument("--spawn-reps", type=int, default=3, help="runs of each spawn configuration")
+    parser.add_argument("--lines", type=int, default=50_000, help="lines per rank in the log-relay check")
+    parser.add_argument("--no-accelerate", action="store_true", help="skip accelerate even if installed")
+    parser.add_argument("--json", metavar="PATH", help="also write every sample and ratio here")
+    options = parser.parse_args(argv)
+
+    with_accelerate = not options.no_accelerate and accelerate_available()
+    if not with_accelerate:
+        print("accelerate is not importable here: its rows are skipped.", file=sys.stderr)
+    result = measure_launches(options.ranks, options.reps, options.spawn_reps, with_accelerate)
+    relay = measure_relay(4, options.lines)
+    summary = summarize(result, options.ranks)
+    versions = f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs"
+    if with_accelerate:
+        import accelerate
+
+        versions += f", accelerate {accelerate.__version__}"
+    print(f"Launch latency ({versions})\n")
+    print(markdown(result, summary, relay))
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump({"versions": versions, **result, **summary, "relay": relay}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

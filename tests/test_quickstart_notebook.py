@@ -1,0 +1,67 @@
+"""The quickstart notebook, executed in a real kernel through the same code path as `make demo`."""
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+from notebook_accel.demo import cell_texts, main, run_notebook  # noqa: E402
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
+
+
+@pytest.fixture(scope="module")
+def executed():
+    nb, error = run_notebook(str(NOTEBOOK), timeout=150)
+    assert error is None, f"the quickstart failed:\n{error}"
+    return [("".join(cell_texts(c)), c) for c in nb.cells if c.cell_type == "code"]
+
+
+@pytest.mark.timeout(180)
+def test_kernel_runs_this_interpreter(executed):
+    first = executed[0][0]
+    assert f"kernel python: {sys.executable}\n" in first
+    assert "notebook process:" in first
+
+
+@pytest.mark.timeout(180)
+def test_every_rank_reports_each_epoch(executed):
+    launch = next(text for text, cell in executed if "notebook_launcher(" in cell.source)
+    for rank in (0, 1):
+        epochs = [int(m) for m in re.findall(rf"^\[rank {rank}\] epoch (\d+) loss [\d.]+$", launch, re.M)]
+        assert epochs == [0, 1, 2, 3, 4], launch
+
+
+@pytest.mark.timeout(180)
+def test_training_result(executed):
+    text, cell = executed[-1]
+    result = next(o for o in cell.outputs if o.output_type == "execute_result")
+    summary = ast.literal_eval(result.data["text/plain"])
+    assert summary["ranks"] == 2
+    assert summary["final_loss"] < summary["first_loss"]
+    assert summary["loss_decreased"] is True
+    assert summary["weights_identical"] is True
+    assert "weights identical across ranks: True" in text
+
+
+@pytest.mark.timeout(180)
+def test_demo_exits_nonzero_on_a_failing_cell(tmp_path, capsys):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    path = tmp_path / "broken.ipynb"
+    cells = [
+        new_code_cell("print('before')"),
+        new_code_cell("raise ValueError('on purpose')"),
+        new_code_cell("1"),
+    ]
+    nbformat.write(new_notebook(cells=cells), str(path))
+    assert main([str(path), "--timeout", "60"]) == 1
+    out, err = capsys.readouterr()
+    assert "before" in out
+    assert "FAILED in code cell 2" in err and "ValueError" in err and "on purpose" in err

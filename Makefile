@@ -24,10 +24,18 @@ lint: $(STAMP)
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir notebooks
 
-# The benchmark environment adds accelerate 1.15.0, only to measure against it.
-bench: $(STAMP)
-	$(BIN)/python -m pip install -q accelerate==1.15.0
-	$(BIN)/python benchmarks/launch.py
+# Benchmarks run in their own venv: accelerate 1.15.0 is installed only there, to measure against.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+$(BENCH_STAMP): pyproject.toml requirements-dev.txt
+	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q -r requirements-dev.txt accelerate==1.15.0
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python benchmarks/launch.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) build dist *.egg-info

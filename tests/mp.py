@@ -15,7 +15,8 @@ import time
 import traceback
 
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed"])
+# pytest too: each child unpickles a test function, which imports its test module and so pytest.
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest"])
 
 
 def free_port() -> int:

@@ -112,7 +112,9 @@ class PartialState:
         self.num_local_processes = env.local_world_size
         self.fork_launched = parse_bool(os.environ.get("FORK_LAUNCHED", "0"))
         if placement.distributed_type == DistributedType.XLA:
-            self.device = _xla_device()
+            # xmp.spawn sets no RANK/WORLD_SIZE: the XLA runtime knows the topology.
+            self.device, topology = _xla_device_and_topology()
+            (self.process_index, self.num_processes, self.local_process_index, self.num_local_processes) = topology
         else:
             self.device = torch.device(placement.device)
         if env.distributed and placement.distributed_type != DistributedType.XLA:
@@ -194,7 +196,9 @@ class PartialState:
         """Yield this process's contiguous share of `inputs` (list, tuple, dict of those, tensor).
 
         17 items over 4 processes give 5, 4, 4, 4; with apply_padding every share has 5, the short
-        ones repeating the last item, so results can be gathered and trimmed.
+        ones repeating their own last item, so every rank runs the same number of steps and
+        collectives line up. Padded results sit at the end of each rank's share: drop them per rank
+        (or use gather_for_metrics) before using gathered values.
         """
         yield _split(inputs, self.num_processes, self.process_index, apply_padding)
 
@@ -252,11 +256,13 @@ class PartialState:
             module.set_device(self.device)
 
 
-def _xla_device():
-    # The one call into torch_xla for device choice; it cannot run on machines without it.
+def _xla_device_and_topology():
+    # The one call into torch_xla for placement; it cannot run on machines without it.
     import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
 
-    return xm.xla_device()
+    topology = (xr.global_ordinal(), xr.world_size(), xr.local_ordinal(), xr.local_process_count())
+    return xm.xla_device(), topology
 
 
 def _check_index(name: str, value) -> None:
@@ -287,7 +293,8 @@ def _split(inputs, num: int, index: int, apply_padding: bool):
     missing = target - (end - start)
     if missing <= 0:
         return share
-    last = inputs[-1:]
+    # Repeat this share's own last item (accelerate does the same); an empty share repeats the input's.
+    last = share[-1:] if end > start else inputs[-1:]
     if isinstance(share, torch.Tensor):
         return torch.cat([share] + [last] * missing)
     if isinstance(share, tuple):

@@ -241,7 +241,7 @@ def test_print_in_one_process(capsys):
     "n, num, padded, shares",
     [
         (17, 4, False, [[0, 1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]),
-        (17, 4, True, [[0, 1, 2, 3, 4], [5, 6, 7, 8, 16], [9, 10, 11, 12, 16], [13, 14, 15, 16, 16]]),
+        (17, 4, True, [[0, 1, 2, 3, 4], [5, 6, 7, 8, 8], [9, 10, 11, 12, 12], [13, 14, 15, 16, 16]]),
         (8, 4, True, [[0, 1], [2, 3], [4, 5], [6, 7]]),
         (3, 4, False, [[0], [1], [2], []]),
         (3, 4, True, [[0], [1], [2], [2]]),
@@ -386,11 +386,11 @@ def test_split_between_processes(job):
     for r, (lo, hi) in zip(splits, SPLIT_BOUNDS[world]):
         plain, pad = list(range(lo, hi)), width - (hi - lo)
         assert r["list"] == plain
-        # Padding repeats the input's last item until every share is as long as the first.
-        assert r["padded"] == plain + [16] * pad
-        assert r["tuple"] == tuple(letters[lo:hi]) + ("q",) * pad
+        # Padding repeats the share's own last item until every share is as long as the first.
+        assert r["padded"] == plain + [hi - 1] * pad
+        assert r["tuple"] == tuple(letters[lo:hi]) + (letters[hi - 1],) * pad
         assert r["dict"] == (plain, [[2 * i, 2 * i + 1] for i in plain])
-        assert r["tensor"] == ("Tensor", [float(i) for i in plain] + [16.0] * pad)
+        assert r["tensor"] == ("Tensor", [float(i) for i in plain] + [float(hi - 1)] * pad)
 
 
 def test_main_process_first(job):

@@ -110,6 +110,8 @@ def _launch_local(plan: LaunchPlan, function, args: tuple, sink) -> list:
         from .payload import dumps
 
         payload = dumps(function, args)  # fails here, naming the object, before any process starts
+    else:
+        from .. import state  # noqa: F401  (imported once here rather than in every forked rank)
     warm = None
     if plan.start_method == "forkserver":
         from .warm import WarmServer
@@ -120,16 +122,18 @@ def _launch_local(plan: LaunchPlan, function, args: tuple, sink) -> list:
     handles = []
     monitor = None
     try:
+        requests = []
         for local_rank in range(plan.num_processes):
             env = plan.rank_env(local_rank)
             rank = int(env["RANK"])
             if plan.start_method == "fork":
-                handle = procs.start_fork(local_rank, rank, env, plan.threads_per_process, function, args)
+                handles.append(procs.start_fork(local_rank, rank, env, plan.threads_per_process, function, args))
             elif plan.start_method == "spawn":
-                handle = procs.start_spawn(local_rank, rank, env, plan.threads_per_process, payload)
+                handles.append(procs.start_spawn(local_rank, rank, env, plan.threads_per_process, payload))
             else:
-                handle = warm.start_rank(local_rank, rank, env, plan.threads_per_process, payload)
-            handles.append(handle)
+                requests.append((local_rank, rank, env, plan.threads_per_process, payload))
+        if requests:
+            handles.extend(warm.start_ranks(requests))
         monitor = Monitor(handles, plan, sink, warm=warm)
         results = monitor.run()
     except BaseException as exc:

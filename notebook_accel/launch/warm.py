@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
 import socket
 import struct
 import subprocess
@@ -20,7 +21,11 @@ from . import worker
 
 _FDS = struct.Struct("!Q")
 SERVER_CODE = "from notebook_accel.launch.warm import serve; serve()"
-PRELOAD = ("torch", "torch.distributed", "cloudpickle", "notebook_accel.state", "notebook_accel.launch.payload")
+# torch._dynamo: DistributedDataParallel imports it at construction, about 1 s per rank otherwise.
+PRELOAD = (
+    "torch", "torch.distributed", "torch._dynamo", "cloudpickle", "notebook_accel.state",
+    "notebook_accel.launch.payload",
+)  # fmt: skip
 
 
 # -- server side ------------------------------------------------------------------------------
@@ -34,10 +39,22 @@ def serve() -> None:
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ, "request")
     sel.register(sys.stdin, selectors.EVENT_READ, "lifeline")
+    # SIGCHLD wakes the selector through this pipe, so an exit is reported at once, not on a poll.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel.register(wake_r, selectors.EVENT_READ, "child")
     children: set = set()
     while True:
-        for key, _ in sel.select(timeout=0.05):
-            if key.data == "lifeline":
+        for key, _ in sel.select(timeout=1.0):
+            if key.data == "child":
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            elif key.data == "lifeline":
                 if not os.read(sys.stdin.fileno(), 1024):
                     os._exit(0)
             else:
@@ -72,6 +89,8 @@ def _fork_rank(request: dict, fds: list, server_sock: socket.socket) -> int:
         code = 1
         try:
             os.setpgid(0, 0)
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             server_sock.close()
             payload = request["payload"]
 
@@ -139,30 +158,42 @@ class WarmServer:
             self.proc.kill()
         self.sock.close()
 
-    def start_rank(self, local_rank: int, rank: int, env: dict, threads: int, payload: bytes):
-        from .procs import RankProcess, _channels
-
-        parents, children = _channels()
+    def start_ranks(self, requests: list) -> list:
+        """Start ranks from (local_rank, rank, env, threads, payload) tuples; all requests go out
+        before any reply is awaited, so the server forks them back to back."""
         import pickle
 
-        body = pickle.dumps(
-            {"local_rank": local_rank, "rank": rank, "env": env, "threads": threads, "payload": payload},
-            protocol=pickle.HIGHEST_PROTOCOL,
-        )
-        socket.send_fds(self.sock, [_FDS.pack(len(body))], [c.fileno() for c in children])
-        self.sock.sendall(body)
-        for sock in children:
-            sock.close()
-        pid = self._wait_for("pid", local_rank)
-        return RankProcess(local_rank, pid, parents, exit_status=self.exit_status)
+        from .procs import RankProcess, _channels
+
+        parents_by_rank = {}
+        for local_rank, rank, env, threads, payload in requests:
+            parents, children = _channels()
+            body = pickle.dumps(
+                {"local_rank": local_rank, "rank": rank, "env": env, "threads": threads, "payload": payload},
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )
+            socket.send_fds(self.sock, [_FDS.pack(len(body))], [c.fileno() for c in children])
+            self.sock.sendall(body)
+            for sock in children:
+                sock.close()
+            parents_by_rank[local_rank] = parents
+        handles = []
+        for local_rank, parents in parents_by_rank.items():
+            pid = self._wait_for("pid", local_rank)
+            handles.append(RankProcess(local_rank, pid, parents, exit_status=self.exit_status))
+        return handles
 
     def _wait_for(self, kind: str, key):
+        if kind == "pid" and key in self.pids:
+            return self.pids.pop(key)
         while True:
             message = worker.recv_frame(self.sock)
             if message[0] == "exit":
                 self.exits[message[1]] = message[2]
             elif message[0] == kind and message[1] == key:
                 return message[2]
+            elif message[0] == "pid":
+                self.pids[message[1]] = message[2]
 
     def pump(self) -> None:
         """Read exit notices that have arrived (call when the socket is readable)."""

@@ -7,17 +7,37 @@ cloudpickle sends notebook-defined functions and classes by value. Cells' source
 from __future__ import annotations
 
 import inspect
+import io
 import linecache
 import os
+import types
 
 import cloudpickle
 
 from .errors import UnpicklableError
 
+_DYNAMIC = "<dynamic-code>"
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, keeping each code object's file name: cloudpickle 3.1 renames every by-value
+    code object to "<dynamic-code>", and a child's traceback could no longer find the cell's lines."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.CodeType) and obj.co_filename != _DYNAMIC:
+            return _with_filename, (obj.replace(co_filename=_DYNAMIC), obj.co_filename)
+        return super().reducer_override(obj)
+
+
+def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
+    return code.replace(co_filename=filename)
+
 
 def dumps(function, args: tuple) -> bytes:
     try:
-        return cloudpickle.dumps((function, tuple(args), _interactive_sources()))
+        buffer = io.BytesIO()
+        _Pickler(buffer).dump((function, tuple(args), _interactive_sources()))
+        return buffer.getvalue()
     except Exception as exc:
         raise UnpicklableError(_explain(function, args, exc)) from exc
 

@@ -84,15 +84,41 @@ def start_fork(local_rank: int, rank: int, env: dict, threads: int, function, ar
         code = 1
         try:
             os.setpgid(0, 0)
+            _after_fork_like_multiprocessing()
             for sock in parents:
                 sock.close()
             fds = tuple(c.detach() for c in children)
             code = worker.run(rank, fds, env, threads, lambda: (function, args))
+            _exit_like_multiprocessing()
         finally:
             os._exit(code)
     for sock in children:
         sock.close()
     return RankProcess(local_rank, pid, parents)
+
+
+def _after_fork_like_multiprocessing() -> None:
+    # What a forked multiprocessing.Process does first: forget the parent's children and exit
+    # finalizers, and reset inherited queues and locks (their after-fork hooks) for this process.
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is None:
+        return
+    import multiprocessing.process as mp_process
+
+    mp_process._children = set()
+    mp_util._finalizer_registry.clear()
+    mp_util._run_after_forkers()
+
+
+def _exit_like_multiprocessing() -> None:
+    # os._exit skips multiprocessing's exit hook, which flushes Queue feeder threads: without it an
+    # item a rank put in an inherited multiprocessing.Queue just before returning can be lost.
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:
+        try:
+            mp_util._exit_function()
+        except Exception:
+            pass
 
 
 SPAWN_CODE = "from notebook_accel.launch.worker import spawn_main; spawn_main()"

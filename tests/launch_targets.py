@@ -1,0 +1,148 @@
+"""Module-level functions the launcher tests run on ranks.
+
+They live in a module of their own so that spawn and forkserver children import them by reference
+(cheap: only the standard library at the top) instead of importing a test module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def rank_of_this_process() -> int:
+    return int(os.environ["RANK"])
+
+
+def rank_info(tag=None, rank0_delay: float = 0.0) -> dict:
+    """What a rank sees: state, process group, environment. Rank 0 may finish last on purpose."""
+    import torch
+    import torch.distributed as dist
+
+    from notebook_accel.state import AcceleratorState
+
+    state = AcceleratorState()
+    total = torch.tensor([float(state.process_index)])
+    dist.all_reduce(total)
+    if state.process_index == 0 and rank0_delay:
+        time.sleep(rank0_delay)
+    return {
+        "pid": os.getpid(),
+        "rank": state.process_index,
+        "local_rank": state.local_process_index,
+        "world": state.num_processes,
+        "local_world": state.num_local_processes,
+        "type": state.distributed_type,
+        "mixed_precision": state.mixed_precision,
+        "rank_sum": total.item(),
+        "env_rank": int(os.environ["RANK"]),
+        "env_local_rank": int(os.environ["LOCAL_RANK"]),
+        "master_port": int(os.environ["MASTER_PORT"]),
+        "threads": torch.get_num_threads(),
+        "tag": tag,
+    }
+
+
+def raise_on_rank(fail_rank: int, marker_path: str, sleep_s: float = 20.0) -> str:
+    """`fail_rank` raises at once; every other rank sleeps, then leaves a file behind."""
+    rank = rank_of_this_process()
+    if rank == fail_rank:
+        raise ValueError(f"boom on rank {rank}")
+    time.sleep(sleep_s)
+    with open(f"{marker_path}.{rank}", "w") as f:
+        f.write("ran to completion")
+    return "finished"
+
+
+def raise_after_group_is_up(fail_rank: int) -> str:
+    """All ranks join the process group; `fail_rank` raises while the others wait in a barrier."""
+    import torch.distributed as dist
+
+    from notebook_accel.state import PartialState
+
+    PartialState()
+    if rank_of_this_process() == fail_rank:
+        raise RuntimeError("root cause on this rank")
+    dist.barrier()
+    return "unreachable"
+
+
+def kill_self_on_rank(fail_rank: int, marker_path: str) -> str:
+    import signal
+
+    rank = rank_of_this_process()
+    if rank == fail_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(20)
+    with open(f"{marker_path}.{rank}", "w") as f:
+        f.write("ran to completion")
+    return "finished"
+
+
+def segfault_on_rank(fail_rank: int, marker_path: str) -> str:
+    import ctypes
+    import faulthandler
+
+    rank = rank_of_this_process()
+    if rank == fail_rank:
+        faulthandler.disable()  # pytest's handler would dump this rank's stack to the terminal
+        ctypes.string_at(0)
+    time.sleep(20)
+    with open(f"{marker_path}.{rank}", "w") as f:
+        f.write("ran to completion")
+    return "finished"
+
+
+def sleep_then_touch(marker_path: str, sleep_s: float = 20.0) -> str:
+    time.sleep(sleep_s)
+    with open(f"{marker_path}.{rank_of_this_process()}", "w") as f:
+        f.write("ran to completion")
+    return "finished"
+
+
+def write_every_way() -> int:
+    """Output through Python, raw file descriptors and C stdio, on both streams."""
+    import ctypes
+
+    rank = rank_of_this_process()
+    print(f"print from rank {rank}")
+    os.write(1, f"fd1 from rank {rank}\n".encode())
+    os.write(2, f"fd2 from rank {rank}\n".encode())
+    print(f"stderr print from rank {rank}", file=sys.stderr)
+    libc = ctypes.CDLL(None)
+    libc.puts(f"from C on rank {rank}".encode())
+    libc.fflush(None)
+    os.write(1, f"unterminated from rank {rank}".encode())
+    return rank
+
+
+def many_lines(count: int) -> int:
+    rank = rank_of_this_process()
+    for i in range(count):
+        print(f"{rank} {i}")
+    return count
+
+
+def big_stderr(megabytes: int) -> str:
+    line = "e" * 1023 + "\n"
+    for _ in range(megabytes):
+        sys.stderr.write(line * 1024)
+    sys.stderr.flush()
+    return "done"
+
+
+def parallel_math() -> tuple:
+    """A matmul and a large reduction: the first multi-threaded ops of a rank."""
+    import torch
+
+    product = torch.ones(256, 256) @ torch.ones(256, 256)
+    total = torch.ones(1_000_000).sum()
+    return float(product[0, 0]), float(total), torch.get_num_threads()
+
+
+def put_in_queue(queue, items: int, size: int) -> int:
+    rank = rank_of_this_process()
+    for i in range(items):
+        queue.put((rank, i, "q" * size))
+    return rank

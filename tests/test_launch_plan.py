@@ -1,0 +1,202 @@
+"""The plan layer: arguments -> a frozen LaunchPlan, every bad input rejected before a process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+import torch
+
+from notebook_accel.launch import LaunchConfigError, LaunchPlan, make_plan
+from notebook_accel.launch import plan as plan_module
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def torch_threads():
+    """Set torch's intra-op thread count for one test, and put it back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def plan(**kwargs) -> LaunchPlan:
+    kwargs.setdefault("use_port", "auto")
+    kwargs.setdefault("num_processes", 2)
+    return make_plan(**kwargs)
+
+
+# -- bad input names the value ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"start_method": "threads"}, "'threads'"),
+        ({"start_method": "Fork"}, "'Fork'"),
+        ({"num_processes": 0}, "num_processes=0"),
+        ({"num_processes": -1}, "num_processes=-1"),
+        ({"num_processes": "x"}, "num_processes='x'"),
+        ({"num_processes": 2.5}, "num_processes=2.5"),
+        ({"num_processes": True}, "num_processes=True"),
+        ({"num_nodes": 0}, "num_nodes=0"),
+        ({"node_rank": 2, "num_nodes": 2}, "node_rank=2"),
+        ({"node_rank": -1}, "node_rank=-1"),
+        ({"node_rank": 1}, "node_rank=1"),
+        ({"max_restarts": -1}, "max_restarts=-1"),
+        ({"max_restarts": "many"}, "max_restarts='many'"),
+        ({"rdzv_backend": "zookeeper"}, "'zookeeper'"),
+        ({"use_port": "http"}, "use_port='http'"),
+        ({"use_port": "70000"}, "use_port=70000"),
+        ({"use_port": -5}, "use_port=-5"),
+    ],
+)
+def test_bad_arguments_fail_naming_the_value(kwargs, named):
+    with pytest.raises(LaunchConfigError) as info:
+        plan(**kwargs)
+    assert named in str(info.value)
+
+
+def test_unknown_mixed_precision_names_the_value():
+    with pytest.raises(ValueError, match="fp12"):
+        plan(mixed_precision="fp12")
+
+
+def test_busy_explicit_port_is_named_and_auto_is_free():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(LaunchConfigError, match=f"Port {port} "):
+            plan(use_port=str(port))
+        with pytest.raises(LaunchConfigError, match=f"Port {port} "):
+            plan(use_port=port)
+        for auto in ("auto", "AUTO", "0", 0):
+            chosen = plan(use_port=auto).master_port
+            assert 1 <= chosen <= 65535 and chosen != port
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", chosen))  # free, so a rank can listen on it
+
+
+def test_explicit_free_port_is_kept():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert plan(use_port=str(port)).master_port == port
+    assert plan(use_port=port).master_port == port
+
+
+# -- what a good plan holds ----------------------------------------------------------------
+def test_single_node_plan_and_rank_env():
+    p = plan(num_processes=4, mixed_precision="BF16", start_method="spawn")
+    assert (p.num_processes, p.world_size, p.engine, p.start_method) == (4, 4, "local", "spawn")
+    assert p.mixed_precision == "bf16"
+    env = p.rank_env(3)
+    expected = {
+        "RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(p.master_port),
+        "ACCELERATE_MIXED_PRECISION": "bf16", "NOTEBOOK_ACCEL_LAUNCHER": "1",
+        "OMP_NUM_THREADS": str(p.threads_per_process),
+    }  # fmt: skip
+    assert {k: env[k] for k in expected} == expected
+    assert "FORK_LAUNCHED" not in env  # only forked children are told they were forked
+    assert "ACCELERATE_USE_CPU" not in env
+    assert p.rank_env(0)["RANK"] == "0" and p.rank_env(0)["LOCAL_RANK"] == "0"
+    # The plan's own env is not modified by asking for a rank's env.
+    assert "RANK" not in p.env
+
+
+def test_rank_env_on_a_second_node():
+    p = plan(num_processes=4, num_nodes=2, node_rank=1, master_addr="10.0.0.7", use_port="29400")
+    assert p.engine == "elastic" and p.world_size == 8
+    env = p.rank_env(2)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+        "6",
+        "2",
+        "8",
+        "4",
+    )
+    assert (env["GROUP_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("1", "10.0.0.7", "29400")
+
+
+def test_fork_and_cpu_flags_reach_the_env():
+    p = plan(start_method="fork", cpu=True)
+    assert p.env["FORK_LAUNCHED"] == "1"
+    assert p.env["ACCELERATE_USE_CPU"] == "1"
+
+
+@pytest.mark.parametrize(
+    "kwargs, engine",
+    [
+        ({}, "local"),
+        ({"max_restarts": 1}, "elastic"),
+        ({"rdzv_backend": "c10d"}, "elastic"),
+        ({"num_nodes": 2}, "elastic"),
+    ],
+)
+def test_engine_choice(kwargs, engine):
+    assert plan(**kwargs).engine == engine
+
+
+def test_plan_is_frozen():
+    p = plan()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.num_processes = 3
+
+
+def test_no_num_processes_without_config_or_devices_means_one_with_a_note(monkeypatch):
+    monkeypatch.setattr(plan_module, "_configured_num_processes", lambda: None)
+    p = make_plan(num_processes=None, use_port="auto", cpu=True)
+    assert p.num_processes == 1
+    assert any("num_processes=1" in note and "num_processes=N" in note for note in p.notes)
+
+
+# -- threads per process -------------------------------------------------------------------
+def test_threads_per_process_divides_physical_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(plan_module, "_physical_cores", lambda: 8)
+    for method in ("spawn", "forkserver"):
+        assert plan(num_processes=2, start_method=method).threads_per_process == 4
+        assert plan(num_processes=4, start_method=method).threads_per_process == 2
+        assert plan(num_processes=16, start_method=method).threads_per_process == 1
+    p = plan(num_processes=2, start_method="spawn")
+    assert p.env["OMP_NUM_THREADS"] == "4" and p.notes == ()
+
+
+def test_threads_per_process_respects_omp_num_threads(monkeypatch):
+    monkeypatch.setattr(plan_module, "_physical_cores", lambda: 8)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    p = plan(num_processes=2, start_method="spawn")
+    assert p.threads_per_process == 3 and p.env["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "not-a-number")  # ignored, not a crash
+    assert plan(num_processes=2, start_method="spawn").threads_per_process == 4
+
+
+def test_fork_after_parallel_torch_gives_one_thread_and_says_why(monkeypatch, torch_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(plan_module, "_physical_cores", lambda: 8)
+    torch_threads(4)
+    p = plan(num_processes=2, start_method="fork")
+    assert p.threads_per_process == 1 and p.env["OMP_NUM_THREADS"] == "1"
+    assert len(p.notes) == 1
+    note = p.notes[0]
+    assert "not 4" in note and "start_method='forkserver'" in note
+    # The same launch on a spawn-safe start method keeps the threads and says nothing.
+    p = plan(num_processes=2, start_method="forkserver")
+    assert p.threads_per_process == 4 and p.notes == ()
+
+
+def test_fork_with_a_single_threaded_parent_keeps_the_threads(monkeypatch, torch_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(plan_module, "_physical_cores", lambda: 8)
+    torch_threads(1)
+    p = plan(num_processes=2, start_method="fork")
+    assert p.threads_per_process == 4 and p.notes == ()
+
+
+def test_fork_with_one_wanted_thread_has_no_note(monkeypatch, torch_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(plan_module, "_physical_cores", lambda: 2)
+    torch_threads(2)
+    p = plan(num_processes=2, start_method="fork")
+    assert p.threads_per_process == 1 and p.notes == ()

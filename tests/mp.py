@@ -68,7 +68,7 @@ def run_ranks(fn, world_size: int, *args, env=None, timeout: float = 60.0):
                 if dead:
                     errors.append(f"ranks died without a result (rank, exit code): {dead}")
                 elif time.monotonic() > deadline:
-                    raise TimeoutError(f"{world_size}-rank run of {fn.__name__} gave no result within {timeout}s")
+                    raise TimeoutError(f"{world_size}-rank run of {fn.__name__} gave no result within {timeout}s") from None
                 continue
             if ok:
                 out[rank] = value

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import notebook_accel
-from notebook_accel import hardware
+from notebook_accel import device_probes, hardware
 from notebook_accel.hardware import AcceleratorDevice, HardwareReport
 from notebook_accel.utils import imports
 
@@ -318,7 +318,7 @@ def test_parse_nvidia_smi_csv():
 
 
 def test_parse_nvidia_smi_csv_from_an_old_driver_without_compute_cap():
-    fields = hardware.NVIDIA_SMI_FIELDS[:-1]
+    fields = device_probes.NVIDIA_SMI_FIELDS[:-1]
     (record,) = hardware.parse_nvidia_smi_csv(
         f"0, {H100_UUID}, Tesla V100-SXM2-16GB, 16160, [Not Supported]\n", fields
     )

@@ -78,7 +78,10 @@ def make_plan(
     notes = []
     if start_method not in START_METHODS:
         raise LaunchConfigError(f"start_method={start_method!r} is not one of {START_METHODS}.")
-    mixed_precision = parse_mixed_precision(mixed_precision)
+    try:
+        mixed_precision = parse_mixed_precision(mixed_precision)
+    except ValueError as exc:
+        raise LaunchConfigError(str(exc)) from None
     num_nodes = _positive_int("num_nodes", num_nodes)
     node_rank = _int("node_rank", node_rank)
     if not 0 <= node_rank < num_nodes:

@@ -200,3 +200,21 @@ def test_fork_with_one_wanted_thread_has_no_note(monkeypatch, torch_threads):
     torch_threads(2)
     p = plan(num_processes=2, start_method="fork")
     assert p.threads_per_process == 1 and p.notes == ()
+
+
+@pytest.mark.parametrize(
+    "family, nodes, restarts, rdzv, engine",
+    [
+        ("xla", 1, 0, "static", "xla"),  # a TPU host launches through xmp.spawn, whatever else is asked
+        ("xla", 2, 3, "c10d", "xla"),
+        (None, 1, 0, "static", "local"),
+        ("cuda", 1, 0, "static", "local"),
+        ("cuda", 2, 0, "static", "elastic"),
+        (None, 1, 1, "static", "elastic"),
+        (None, 1, 0, "c10d", "elastic"),
+    ],
+)
+def test_engine_choice(family, nodes, restarts, rdzv, engine):
+    from notebook_accel.launch.plan import choose_engine
+
+    assert choose_engine(family, nodes, restarts, rdzv) == engine

@@ -93,12 +93,7 @@ def make_plan(
         raise LaunchConfigError(f"rdzv_backend={rdzv_backend!r} is not one of {RDZV_BACKENDS}.")
 
     family = None if cpu else hardware.detect_device_family()
-    if family == "xla":
-        engine = "xla"
-    elif num_nodes > 1 or max_restarts > 0 or rdzv_backend != "static":
-        engine = "elastic"
-    else:
-        engine = "local"
+    engine = choose_engine(family, num_nodes, max_restarts, rdzv_backend)
 
     devices = hardware.device_count(family) if family not in (None, "mps", "xla") else 0
     if num_processes is None:
@@ -148,6 +143,16 @@ def make_plan(
         notes=tuple(notes),
         env=env,
     )
+
+
+def choose_engine(family: Optional[str], num_nodes: int, max_restarts: int, rdzv_backend: str) -> str:
+    """"xla" on a TPU host (xmp.spawn, one process per core), "elastic" for what needs an agent
+    (several nodes, restarts, a dynamic rendezvous), else "local" (our own process manager)."""
+    if family == "xla":
+        return "xla"
+    if num_nodes > 1 or max_restarts > 0 or rdzv_backend != "static":
+        return "elastic"
+    return "local"
 
 
 def _int(name: str, value) -> int:

@@ -1,0 +1,1 @@
+"""The `notebook-accel` command line."""

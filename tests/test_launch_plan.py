@@ -214,7 +214,7 @@ def test_fork_with_one_wanted_thread_has_no_note(monkeypatch, torch_threads):
         (None, 1, 0, "c10d", "elastic"),
     ],
 )
-def test_engine_choice(family, nodes, restarts, rdzv, engine):
+def test_engine_choice_by_family(family, nodes, restarts, rdzv, engine):
     from notebook_accel.launch.plan import choose_engine
 
     assert choose_engine(family, nodes, restarts, rdzv) == engine

@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import importlib
 
-from .dataclasses import ComputeEnvironment, DistributedType, PrecisionType, RNGType  # noqa: F401
+from .dataclasses import (  # noqa: F401
+    AutocastKwargs,
+    ComputeEnvironment,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    DynamoBackend,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    PrecisionType,
+    ProjectConfiguration,
+    RNGType,
+    TorchDynamoPlugin,
+)
 from .imports import *  # noqa: F401,F403
 from .imports import __dict__ as _imports_dict
 
@@ -32,7 +47,12 @@ _EXPORTS = {
 
 __all__ = sorted(
     list(_EXPORTS)
-    + ["ComputeEnvironment", "DistributedType", "PrecisionType", "RNGType"]
+    + [
+        "AutocastKwargs", "ComputeEnvironment", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
+        "DistributedType", "DynamoBackend", "GradientAccumulationPlugin", "GradScalerKwargs",
+        "InitProcessGroupKwargs", "KwargsHandler", "PrecisionType", "ProjectConfiguration", "RNGType",
+        "TorchDynamoPlugin",
+    ]
     + [n for n in _imports_dict if n.startswith("is_")]
 )
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import enum
+import os
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, Callable, Optional
 
 
 class _StrEnum(str, enum.Enum):
@@ -77,3 +82,129 @@ def parse_mixed_precision(value) -> str:
         f"Unknown mixed_precision {value!r}: choose one of {PrecisionType.list()} "
         "(for example mixed_precision='bf16')."
     )
+
+
+# -- configuration records (accelerate's names and defaults) -----------------------------------
+
+class KwargsHandler:
+    """Base of the kwargs handlers: `to_kwargs()` gives only the fields changed from their defaults."""
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(self.__dict__)
+
+    def to_kwargs(self) -> dict:
+        default = self.__class__().to_dict()
+        return {k: v for k, v in self.to_dict().items() if default.get(k) != v}
+
+
+@dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: Optional[Callable] = None  # a torch DDP comm hook, registered after wrapping
+    comm_state: Any = None
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    backend: Optional[str] = None
+    init_method: Optional[str] = None
+    timeout: Optional[timedelta] = None
+
+
+@dataclass
+class AutocastKwargs(KwargsHandler):
+    enabled: bool = True
+    cache_enabled: Optional[bool] = None
+
+
+@dataclass
+class DataLoaderConfiguration:
+    split_batches: bool = False
+    dispatch_batches: Optional[bool] = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: Optional[int] = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+
+@dataclass
+class GradientAccumulationPlugin(KwargsHandler):
+    num_steps: Optional[int] = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+    def __post_init__(self):
+        if self.num_steps is not None and (not isinstance(self.num_steps, int) or self.num_steps < 1):
+            raise ValueError(f"GradientAccumulationPlugin(num_steps={self.num_steps!r}): pass a whole number >= 1.")
+
+    def to_kwargs(self) -> dict:
+        # GradientState reads every key, so give them all (not only the changed ones).
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class ProjectConfiguration:
+    project_dir: Optional[str] = None
+    logging_dir: Optional[str] = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: Optional[int] = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def set_directories(self, project_dir: Optional[str] = None) -> None:
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+    def __post_init__(self):
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+        if self.total_limit is not None and (not isinstance(self.total_limit, int) or self.total_limit < 1):
+            raise ValueError(f"ProjectConfiguration(total_limit={self.total_limit!r}): pass a whole number >= 1 or None.")
+
+
+class DynamoBackend(_StrEnum):
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    CUDAGRAPHS = "CUDAGRAPHS"
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    backend: Optional[str] = None
+    mode: Optional[str] = None
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+    options: Any = None
+    disable: bool = False
+
+    def __post_init__(self):
+        if self.backend is None:
+            self.backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+        self.backend = str(self.backend.value if isinstance(self.backend, enum.Enum) else self.backend).lower()
+
+    def to_compile_kwargs(self) -> dict:
+        out = {"backend": self.backend, "fullgraph": self.fullgraph}
+        for name in ("mode", "dynamic", "options"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out

@@ -1,0 +1,475 @@
+"""Training checkpoints (save_state / load_state), checkpoint rotation, and sharded model files.
+
+A checkpoint folder uses accelerate's file names (model.safetensors, optimizer.bin, scheduler.bin,
+scaler.pt, custom_checkpoint_0.pkl, dl_state_dict.bin, random_states_0.pkl, ...), so people find
+pieces where they expect them. Saving is atomic: everything is written to a hidden sibling folder
+and swapped in with renames, so a crash at any moment leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+from .serialization import (  # noqa: F401  (save_model and friends are part of this module's surface)
+    MODEL_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    _dedupe,
+    _read_weights,
+    _state_of,
+    _unwrap,
+    _write_weights,
+    load_sharded_state_dict,
+    save_model,
+)
+
+OPTIMIZER_NAME = "optimizer"
+SCHEDULER_NAME = "scheduler"
+SCALER_NAME = "scaler.pt"
+SAMPLER_NAME = "dl_state_dict"
+RNG_STATE_NAME = "random_states"
+CUSTOM_NAME = "custom_checkpoint"
+CHECKPOINTS_FOLDER = "checkpoints"
+_DEVICE_RNG_FAMILIES = ("cuda", "xpu", "npu", "mlu", "sdaa", "musa", "hpu", "mps")
+
+
+# -- small file helpers ---------------------------------------------------------------------------
+
+
+def _indexed(stem: str, i: int, ext: str) -> str:
+    return f"{stem}{'' if i == 0 else f'_{i}'}{ext}"
+
+
+def _loader_file(i: int, rank: int) -> str:
+    # Rank 0 keeps accelerate's name; other ranks' loaders may stand elsewhere, so they get their own.
+    return _indexed(SAMPLER_NAME, i, ".bin") if rank == 0 else f"{_indexed(SAMPLER_NAME, i, '')}_rank{rank}.bin"
+
+
+def _sibling(path: str, tag: str) -> str:
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}.{tag}")
+
+
+def _indexed_files(folder: str, pattern: str) -> list:
+    """(i, name) of the files in `folder` matching pattern (group 1 empty for i == 0), by i."""
+    found = []
+    for name in os.listdir(folder):
+        match = re.fullmatch(pattern, name)
+        if match:
+            found.append((int(match.group(1) or 0), name))
+    return sorted(found)
+
+
+# -- random number generators ---------------------------------------------------------------------
+
+
+def _device_rng_module(name: str):
+    """torch.<name> when its RNG can be read without initialising a device that nobody used."""
+    module = getattr(torch, name, None)
+    if module is None or not hasattr(module, "get_rng_state"):
+        return None
+    try:
+        if name == "mps":
+            return module if torch.backends.mps.is_available() else None
+        initialised = getattr(module, "is_initialized", None)
+        if initialised is not None:
+            return module if initialised() else None  # never used: its RNG is still the seeded one
+        return module if module.is_available() else None
+    except Exception:
+        return None
+
+
+def _rng_states() -> dict:
+    import numpy as np
+
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    # Plain tuples and tensors only, so the file loads with torch.load(weights_only=True).
+    states = {
+        "random_state": random.getstate(),
+        "numpy_random_seed": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
+    for family in _DEVICE_RNG_FAMILIES:
+        module = _device_rng_module(family)
+        if module is None:
+            continue
+        every = getattr(module, "get_rng_state_all", None)
+        states[f"torch_{family}_manual_seed"] = list(every()) if every else [module.get_rng_state()]
+    if "torch_xla" in sys.modules:
+        try:
+            import torch_xla.core.xla_model as xm
+
+            states["xm_seed"] = int(xm.get_rng_state())
+        except Exception:  # installed but unusable: nothing to save
+            pass
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    import numpy as np
+
+    random.setstate(states["random_state"])
+    name, keys, pos, has_gauss, gauss = states["numpy_random_seed"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(states["torch_manual_seed"])
+    for key, per_device in states.items():
+        match = re.fullmatch(r"torch_(\w+)_manual_seed", key)
+        if not match or match.group(1) not in _DEVICE_RNG_FAMILIES:
+            continue
+        module = getattr(torch, match.group(1), None)
+        if module is None or not hasattr(module, "set_rng_state"):
+            continue
+        try:
+            count = module.device_count() if hasattr(module, "device_count") else 1
+        except Exception:
+            count = 0
+        for device, state in enumerate(per_device[:count]):
+            if hasattr(module, "get_rng_state_all"):
+                module.set_rng_state(state, device)
+            else:
+                module.set_rng_state(state)
+    if "xm_seed" in states and "torch_xla" in sys.modules:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(states["xm_seed"])
+
+
+# -- saving ---------------------------------------------------------------------------------------
+
+
+def _default_is_writer(process_index: int, save_on_each_node: bool) -> bool:
+    if not save_on_each_node:
+        return process_index == 0
+    from .state import PartialState
+
+    if PartialState._shared_state:  # a resolved state knows the local rank
+        return PartialState().is_local_main_process
+    return int(os.environ.get("LOCAL_RANK", process_index)) == 0
+
+
+class _Agreement:
+    """Barriers that also tell every rank whether any rank failed, so none waits forever."""
+
+    def __init__(self, num_processes: int, wait_for_everyone: Optional[Callable[[], None]]):
+        self.num_processes = num_processes
+        self.wait = wait_for_everyone
+        if self.wait is None and num_processes > 1:
+            from .state import PartialState
+
+            self.wait = PartialState().wait_for_everyone
+
+    def __call__(self, error: Optional[BaseException], process_index: int) -> list:
+        """[(rank, message)] for every rank that failed this phase."""
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        if self.num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            per_rank = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(per_rank, mine)
+            return [(r, m) for r, m in enumerate(per_rank) if m is not None]
+        if self.wait is not None:
+            self.wait()
+        return [] if mine is None else [(process_index, mine)]
+
+
+def _raise_if_failed(failures: list, error, what: str, output_dir: str) -> None:
+    if not failures:
+        return
+    lines = "\n".join(f"  rank {r}: {m}" for r, m in failures)
+    raise CheckpointError(
+        f"Saving the checkpoint {output_dir!r} failed while {what}; any previous checkpoint there is untouched.\n{lines}"
+    ) from error
+
+
+def _recover(output_dir: str, staging: str, old: str) -> None:
+    """Undo what a crashed save left behind; the last complete checkpoint stays at output_dir."""
+    if os.path.isdir(old):
+        if os.path.isdir(output_dir):
+            shutil.rmtree(old)  # the crash came after the new folder was in place
+        else:
+            os.rename(old, output_dir)  # the crash came between the two renames
+    if os.path.exists(staging):
+        shutil.rmtree(staging)
+
+
+def save_accelerator_state(
+    output_dir: str,
+    model_states: list,
+    optimizers: list,
+    schedulers: list,
+    dataloaders: list,
+    process_index: int,
+    num_processes: int,
+    scaler=None,
+    custom_objects: list = (),
+    safe_serialization: bool = True,
+    save_on_each_node: bool = False,
+    is_main_process: Optional[bool] = None,
+    wait_for_everyone: Optional[Callable[[], None]] = None,
+) -> str:
+    """Save a training run's state to `output_dir` atomically; returns its absolute path.
+
+    Call on every process. The main process (each node's, with save_on_each_node) writes the shared
+    pieces and swaps the folder in; every process writes its RNG states and its loaders' positions.
+    `model_states` holds state dicts (or models). Loaders without `state_dict` are skipped.
+    """
+    output_dir = os.path.abspath(output_dir)
+    writer = _default_is_writer(process_index, save_on_each_node) if is_main_process is None else bool(is_main_process)
+    agree = _Agreement(num_processes, wait_for_everyone)
+    staging, old = _sibling(output_dir, "saving"), _sibling(output_dir, "old")
+
+    error = None
+    if writer:
+        try:
+            os.makedirs(os.path.dirname(output_dir), exist_ok=True)
+            _recover(output_dir, staging, old)
+            os.makedirs(staging)
+        except Exception as exc:
+            error = exc
+    _raise_if_failed(agree(error, process_index), error, "preparing the folder", output_dir)
+
+    try:
+        if not os.path.isdir(staging):
+            raise FileNotFoundError(
+                f"{staging} is not visible from rank {process_index}: without a shared filesystem across nodes, "
+                "pass save_on_each_node=True."
+            )
+        if writer:
+            _write_shared(staging, model_states, optimizers, schedulers, scaler, custom_objects, safe_serialization)
+        _write_own(staging, dataloaders, process_index)
+        error = None
+    except Exception as exc:
+        error = exc
+    failures = agree(error, process_index)
+    if failures and writer:
+        shutil.rmtree(staging, ignore_errors=True)
+    _raise_if_failed(failures, error, "writing", output_dir)
+
+    error = None
+    if writer:
+        try:
+            # Old aside, new in, old deleted: at every instant one complete checkpoint exists.
+            if os.path.exists(output_dir):
+                os.rename(output_dir, old)
+            os.rename(staging, output_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        except Exception as exc:
+            error = exc
+    _raise_if_failed(agree(error, process_index), error, "moving the new folder into place", output_dir)
+    return output_dir
+
+
+def _write_shared(folder, model_states, optimizers, schedulers, scaler, custom_objects, safe) -> None:
+    for i, state in enumerate(model_states):
+        name = _indexed(MODEL_NAME, i, ".safetensors") if safe else _indexed(WEIGHTS_NAME, i, ".bin")
+        _write_weights(*_dedupe(_state_of(state)), os.path.join(folder, name), safe)
+    for stem, objects in ((OPTIMIZER_NAME, optimizers), (SCHEDULER_NAME, schedulers)):
+        for i, obj in enumerate(objects):
+            torch.save(obj.state_dict(), os.path.join(folder, _indexed(stem, i, ".bin")))
+    if scaler is not None:
+        torch.save(scaler.state_dict(), os.path.join(folder, SCALER_NAME))
+    for i, obj in enumerate(custom_objects):
+        torch.save(obj.state_dict(), os.path.join(folder, f"{CUSTOM_NAME}_{i}.pkl"))
+
+
+def _write_own(folder: str, dataloaders: list, rank: int) -> None:
+    for i, loader in enumerate(dataloaders):
+        if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
+            torch.save(loader.state_dict(), os.path.join(folder, _loader_file(i, rank)))
+    torch.save(_rng_states(), os.path.join(folder, f"{RNG_STATE_NAME}_{rank}.pkl"))
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+
+def _resolve_input_dir(input_dir: str) -> str:
+    input_dir = os.path.abspath(input_dir)
+    old = _sibling(input_dir, "old")
+    if not os.path.isdir(input_dir) and os.path.isdir(old):
+        # A save crashed between its two renames: the previous checkpoint sits aside, complete.
+        return old
+    return input_dir
+
+
+def load_accelerator_state(
+    input_dir: str,
+    models: list,
+    optimizers: list,
+    schedulers: list,
+    dataloaders: list,
+    process_index: int,
+    scaler=None,
+    custom_objects: list = (),
+    map_location="cpu",
+    strict: bool = True,
+    load_model_func: Optional[Callable[[Any, dict, bool], Any]] = None,
+) -> dict:
+    """Restore what `save_accelerator_state` wrote, RNG states included; returns a summary.
+
+    Every file is read and checked before anything is changed. Missing pieces, and with strict also
+    extra pieces and model key mismatches, raise one CheckpointError naming each problem and the
+    folder. `load_model_func(model, state_dict, strict)` replaces `model.load_state_dict` when given.
+    """
+    folder = _resolve_input_dir(input_dir)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"No checkpoint folder at {os.path.abspath(input_dir)!r}.")
+    problems, plan = [], []
+
+    def read(name: str, what: str, trusted: bool):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            problems.append(f"{what}: {name} is missing")
+            return None
+        try:  # scheduler, loader and custom states may hold any Python object by design
+            return torch.load(path, map_location=map_location, weights_only=trusted)
+        except Exception as exc:
+            problems.append(f"{what}: {name} cannot be read ({type(exc).__name__}: {exc})")
+            return None
+
+    def check_count(pattern: str, given: int, what: str) -> None:
+        extra = [name for i, name in _indexed_files(folder, pattern) if i >= given]
+        if extra and strict:
+            problems.append(f"{what}: {given} given, but the checkpoint also has {', '.join(extra)}")
+
+    # Models.
+    check_count(r"(?:model|pytorch_model)(?:_(\d+))?\.(?:safetensors|bin)", len(models), "models")
+    for i, model in enumerate(models):
+        names = [_indexed(MODEL_NAME, i, ".safetensors"), _indexed(WEIGHTS_NAME, i, ".bin")]
+        path = next((os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))), None)
+        if path is None:
+            problems.append(f"model {i}: neither {names[0]} nor {names[1]} is there")
+            continue
+        try:
+            state = _read_weights(path, map_location)
+        except Exception as exc:
+            problems.append(f"model {i}: {os.path.basename(path)} cannot be read ({type(exc).__name__}: {exc})")
+            continue
+        if load_model_func is None:
+            _check_model_keys(_unwrap(model), state, i, strict, problems)
+        plan.append(("model", model, state))
+
+    # Optimizers, schedulers, scaler, custom objects.
+    for stem, objects, trusted in ((OPTIMIZER_NAME, optimizers, True), (SCHEDULER_NAME, schedulers, False)):
+        check_count(rf"{stem}(?:_(\d+))?\.bin", len(objects), f"{stem}s")
+        for i, obj in enumerate(objects):
+            plan.append((f"{stem} {i}", obj, read(_indexed(stem, i, ".bin"), f"{stem} {i}", trusted)))
+    if scaler is not None:
+        plan.append(("scaler", scaler, read(SCALER_NAME, "GradScaler", True)))
+    elif strict and os.path.isfile(os.path.join(folder, SCALER_NAME)):
+        problems.append(f"the checkpoint has {SCALER_NAME} but no GradScaler was given (mixed_precision='fp16' when saved?)")
+    check_count(rf"{CUSTOM_NAME}_(\d+)\.pkl", len(custom_objects), "custom objects")
+    for i, obj in enumerate(custom_objects):
+        plan.append((f"custom object {i}", obj, read(f"{CUSTOM_NAME}_{i}.pkl", f"custom object {i}", False)))
+
+    # Loaders and RNG states of this rank.
+    stateful = [i for i, dl in enumerate(dataloaders) if callable(getattr(dl, "load_state_dict", None))]
+    suffix = "" if process_index == 0 else rf"_rank{process_index}"
+    extra = [n for i, n in _indexed_files(folder, rf"{SAMPLER_NAME}(?:_(\d+))?{suffix}\.bin") if i not in stateful]
+    if extra and strict:
+        problems.append(f"data loaders: no loader with load_state_dict was given at the position of {', '.join(extra)}")
+    for i in stateful:
+        what = f"data loader {i} (rank {process_index})"
+        plan.append((what, dataloaders[i], read(_loader_file(i, process_index), what, False)))
+    rng = read(f"{RNG_STATE_NAME}_{process_index}.pkl", f"random states of rank {process_index}", True)
+
+    if problems:
+        raise CheckpointError(_report(folder, "cannot be loaded", problems))
+    failures = []
+    for what, obj, state in plan:
+        try:
+            if what == "model":
+                if load_model_func is not None:
+                    load_model_func(obj, state, strict)
+                else:
+                    _unwrap(obj).load_state_dict(state, strict=strict)
+            else:
+                obj.load_state_dict(state)
+        except Exception as exc:
+            failures.append(f"{what}: {type(exc).__name__}: {exc}")
+    if failures:
+        raise CheckpointError(_report(folder, "was only partly loaded", failures))
+    _set_rng_states(rng)
+    counts = (len(models), len(optimizers), len(schedulers), scaler is not None, len(custom_objects), len(stateful))
+    return dict(zip(("models", "optimizers", "schedulers", "scaler", "custom_objects", "dataloaders"), counts),
+                input_dir=folder)  # fmt: skip
+
+
+def _check_model_keys(model, state: dict, i: int, strict: bool, problems: list) -> None:
+    own = model.state_dict()
+    if strict:
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
+        if missing:
+            problems.append(f"model {i}: missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        if unexpected:
+            problems.append(f"model {i}: unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state and state[k].shape != v.shape]
+    if shapes:
+        problems.append(f"model {i}: shape mismatch (checkpoint vs model) {shapes[:10]}")
+
+
+def _report(folder: str, verb: str, problems: list) -> str:
+    return f"The checkpoint {folder!r} {verb}:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+# -- automatic naming and rotation ----------------------------------------------------------------
+
+
+def _checkpoints_root(project_config) -> str:
+    if not project_config.project_dir:
+        raise ValueError(
+            "Automatic checkpoint naming needs a project folder: pass ProjectConfiguration(project_dir=...) "
+            "or Accelerator(project_dir=...)."
+        )
+    return os.path.join(project_config.project_dir, CHECKPOINTS_FOLDER)
+
+
+def next_checkpoint_dir(project_config) -> str:
+    """`{project_dir}/checkpoints/checkpoint_{iteration}`; refuses to name a folder that exists."""
+    if not project_config.automatic_checkpoint_naming:
+        raise ValueError(
+            "ProjectConfiguration(automatic_checkpoint_naming=False): pass an output folder to save_state, "
+            "or turn automatic naming on."
+        )
+    path = os.path.join(_checkpoints_root(project_config), f"checkpoint_{project_config.iteration}")
+    if os.path.exists(path):
+        raise FileExistsError(
+            f"{path} already exists: a fresh run would overwrite it. Resume with load_state (which moves the "
+            "iteration on), or set project_config.iteration to the next free number."
+        )
+    return path
+
+
+def list_checkpoints(project_config) -> list:
+    """The automatic checkpoint folders, oldest first (checkpoint_10 after checkpoint_9)."""
+    root = _checkpoints_root(project_config)
+    if not os.path.isdir(root):
+        return []
+    numbered = []
+    for name in os.listdir(root):
+        match = re.fullmatch(r"checkpoint_(\d+)", name)
+        if match and os.path.isdir(os.path.join(root, name)):
+            numbered.append((int(match.group(1)), os.path.join(root, name)))
+    return [path for _, path in sorted(numbered)]
+
+
+def rotate_checkpoints(project_config) -> list:
+    """Delete the oldest automatic checkpoints beyond `total_limit`; returns the deleted folders.
+
+    Call after a save has completed, on the main process, so the newest checkpoint is never at risk.
+    """
+    limit = project_config.total_limit
+    if limit is None:
+        return []
+    doomed = list_checkpoints(project_config)[:-limit]
+    for path in doomed:
+        # Renamed first so a crash mid-delete never leaves a half-deleted folder that looks real.
+        trash = _sibling(path, "deleting")
+        os.rename(path, trash)
+        shutil.rmtree(trash)
+    return doomed

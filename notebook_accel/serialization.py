@@ -1,0 +1,192 @@
+"""Model weights on disk: safetensors (or torch .bin) files, sharded by size with an index json.
+
+Shared tensors (tied weights) are stored once and their aliases recorded, so loading restores the
+tie. Used by checkpoints (checkpointing.py) and by save_model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from .utils.memory import parse_memory_size
+
+MODEL_NAME = "model"
+WEIGHTS_NAME = "pytorch_model"
+_ALIASES_KEY = "notebook_accel.aliases"  # safetensors metadata: {alias: stored name}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message names every problem and the folder."""
+
+
+def _unwrap(model):
+    # DDP / DataParallel keep the model in .module, torch.compile in ._orig_mod.
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def _state_of(obj) -> dict:
+    return _unwrap(obj).state_dict() if isinstance(obj, torch.nn.Module) else obj
+
+
+# -- weights files: safetensors with aliases for tied tensors -------------------------------------
+
+
+def _dedupe(state_dict: dict):
+    """(tensors to store, aliases): a tensor shared under several names is stored once."""
+    unique, aliases, seen = {}, {}, {}
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor; only tensors are saved.")
+        if tensor.device.type == "meta":
+            raise ValueError(
+                f"state_dict[{name!r}] is on the meta device (it has no data). Load or materialise the weights first."
+            )
+        key = None
+        if tensor.numel():
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        tensor = tensor.detach().cpu()
+        # A view into a bigger (or shared) storage gets its own copy: safetensors refuses shared
+        # storage and torch.save would write the whole storage.
+        if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.contiguous().clone()
+        unique[name] = tensor
+    return unique, aliases
+
+
+def _write_weights(tensors: dict, aliases: dict, path: str, safe: bool) -> None:
+    temp = path + ".tmp"
+    if safe:
+        from safetensors.torch import save_file
+
+        metadata = {"format": "pt"}
+        if aliases:
+            metadata[_ALIASES_KEY] = json.dumps(aliases)
+        save_file(tensors, temp, metadata=metadata)
+    else:
+        # pickle keeps object identity, so aliases stay tied without metadata.
+        torch.save({**tensors, **{a: tensors[s] for a, s in aliases.items()}}, temp)
+    os.replace(temp, path)
+
+
+def _read_weights(path: str, device="cpu") -> dict:
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        # safetensors takes a device only (torch.load's dict or callable map_location means "cpu" here).
+        device = str(device) if isinstance(device, (str, torch.device)) else "cpu"
+        with safe_open(path, framework="pt", device=device) as f:
+            state = {name: f.get_tensor(name) for name in f.keys()}
+            aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
+        for alias, stored in aliases.items():
+            state[alias] = state[stored]
+        return state
+    return torch.load(path, map_location=device, weights_only=True)
+
+
+# -- save_model / load_sharded_state_dict ---------------------------------------------------------
+
+_WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?(\.tmp)?$")
+
+
+def save_model(
+    state_dict_or_model,
+    save_directory: str,
+    max_shard_size="10GB",
+    safe_serialization: bool = True,
+    is_main_process: bool = True,
+) -> list:
+    """Write a model's weights to `save_directory`, sharded so no file passes `max_shard_size`.
+
+    One file (`model.safetensors`, or `pytorch_model.bin` when not safe) when everything fits;
+    otherwise `model-00001-of-0000K.safetensors` ... plus `model.safetensors.index.json`
+    ({"metadata": {"total_size": bytes}, "weight_map": {name: file}}). A tensor larger than the limit
+    gets a shard of its own. Tied tensors are stored once and re-tied on load. Weight files of an
+    earlier save that are not part of this one are removed. Returns the files written (none on a
+    process that is not the main one).
+    """
+    try:
+        limit = parse_memory_size(max_shard_size)
+    except ValueError as exc:
+        raise ValueError(f"save_model(max_shard_size={max_shard_size!r}): {exc}") from None
+    if limit <= 0:
+        raise ValueError(f"save_model(max_shard_size={max_shard_size!r}): the limit must be above zero.")
+    if not is_main_process:
+        return []
+    if os.path.isfile(save_directory):
+        raise NotADirectoryError(f"save_model: {save_directory!r} is a file; pass a folder.")
+    state = _state_of(state_dict_or_model)
+    tensors, aliases = _dedupe(state)
+    shards, sizes = [[]], [0]
+    for name, tensor in tensors.items():
+        if shards[-1] and sizes[-1] + tensor.nbytes > limit:
+            shards.append([])
+            sizes.append(0)
+        shards[-1].append(name)
+        sizes[-1] += tensor.nbytes
+    stem, ext = (MODEL_NAME, ".safetensors") if safe_serialization else (WEIGHTS_NAME, ".bin")
+    count = len(shards)
+    names = [f"{stem}{ext}"] if count == 1 else [f"{stem}-{i + 1:05d}-of-{count:05d}{ext}" for i in range(count)]
+    os.makedirs(save_directory, exist_ok=True)
+    weight_map = {}
+    for file, shard in zip(names, shards):
+        members = set(shard)
+        shard_aliases = {a: s for a, s in aliases.items() if s in members}
+        _write_weights({n: tensors[n] for n in shard}, shard_aliases, os.path.join(save_directory, file), safe_serialization)
+        weight_map.update({n: file for n in shard}, **{a: file for a in shard_aliases})
+    written = list(names)
+    if count > 1:
+        # Written last: until it is replaced, an older index never points at missing names.
+        index_name = f"{stem}{ext}.index.json"
+        ordered = {n: weight_map[n] for n in state}  # the model's own order, aliases included
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": ordered}
+        temp = os.path.join(save_directory, index_name + ".tmp")
+        with open(temp, "w") as f:
+            json.dump(index, f, indent=2)
+        os.replace(temp, os.path.join(save_directory, index_name))
+        written.append(index_name)
+    for name in os.listdir(save_directory):
+        if _WEIGHT_FILE.match(name) and name not in written:
+            os.remove(os.path.join(save_directory, name))
+    return [os.path.join(save_directory, n) for n in written]
+
+
+def load_sharded_state_dict(folder: str, device="cpu") -> dict:
+    """The state dict saved by `save_model` in `folder` (an index and its shards, or one file)."""
+    for stem, ext in ((MODEL_NAME, ".safetensors"), (WEIGHTS_NAME, ".bin")):
+        index_path = os.path.join(folder, f"{stem}{ext}.index.json")
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+            missing = [n for n in files if not os.path.isfile(os.path.join(folder, n))]
+            if missing:
+                raise FileNotFoundError(f"{index_path} names shard files that are not in {folder}: {missing}")
+            state = {}
+            for name in files:
+                state.update(_read_weights(os.path.join(folder, name), device))
+            absent = [n for n in weight_map if n not in state]
+            if absent:
+                raise CheckpointError(f"{index_path} lists tensors that no shard holds: {absent[:10]}")
+            return {n: state[n] for n in weight_map}
+        single = os.path.join(folder, f"{stem}{ext}")
+        if os.path.isfile(single):
+            return _read_weights(single, device)
+    present = sorted(os.listdir(folder))[:20] if os.path.isdir(folder) else "the folder does not exist"
+    raise FileNotFoundError(
+        f"No model weights in {folder!r}: expected model.safetensors(.index.json) or pytorch_model.bin(.index.json); "
+        f"found {present}."
+    )

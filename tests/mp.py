@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -37,7 +38,8 @@ def _child(fn, rank, world, port, env, args, results):
 
     torch.set_num_threads(1)
     try:
-        results.put((rank, True, fn(*args)))
+        # Plain pickle: multiprocessing's would share tensors through fds that die with this process.
+        results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException as exc:  # report everything, including SystemExit
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -71,7 +73,7 @@ def run_ranks(fn, world_size: int, *args, env=None, timeout: float = 60.0):
                     raise TimeoutError(f"{world_size}-rank run of {fn.__name__} gave no result within {timeout}s") from None
                 continue
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}: {value}")
     finally:

@@ -1,0 +1,622 @@
+"""Accelerator: the facade a training loop talks to. Thin on purpose: the work lives in
+data_loader.py, optimizer.py, scheduler.py, precision.py, checkpointing.py and tracking.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Any, Optional
+
+import torch
+
+from . import precision
+from .state import AcceleratorState, GradientState
+from .utils import operations as ops
+from .utils.dataclasses import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
+
+_DISTRIBUTED_DDP = (
+    DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU, DistributedType.MULTI_NPU,
+    DistributedType.MULTI_MLU, DistributedType.MULTI_SDAA, DistributedType.MULTI_MUSA, DistributedType.MULTI_HPU,
+)  # fmt: skip
+_UNSET = object()
+
+
+class Accelerator:
+    """Add `Accelerator()`, `prepare(...)` and `backward(loss)` to an existing loop; the same code
+    then runs on 1 or N processes, in fp32, bf16 or fp16."""
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: Any = _UNSET,
+        mixed_precision: Optional[str] = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config: Optional[DataLoaderConfiguration] = None,
+        deepspeed_plugin=None,
+        fsdp_plugin=None,
+        megatron_lm_plugin=None,
+        rng_types: Optional[list] = None,
+        log_with=None,
+        project_dir: Optional[str] = None,
+        project_config: Optional[ProjectConfiguration] = None,
+        gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: Optional[list] = None,
+        dynamo_backend=None,
+        dynamo_plugin: Optional[TorchDynamoPlugin] = None,
+    ) -> None:
+        for name, plugin in (("deepspeed_plugin", deepspeed_plugin), ("fsdp_plugin", fsdp_plugin),
+                             ("megatron_lm_plugin", megatron_lm_plugin)):  # fmt: skip
+            if plugin is not None:
+                raise NotImplementedError(f"{name} is not supported by notebook_accel yet; remove it to train with DDP.")
+        self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
+        if project_dir is not None and self.project_configuration.project_dir is None:
+            self.project_configuration.set_directories(project_dir)
+
+        handlers = _sort_handlers(kwargs_handlers or [])
+        self.ddp_handler = handlers.get(DistributedDataParallelKwargs)
+        self.scaler_handler = handlers.get(GradScalerKwargs)
+        self.init_handler = handlers.get(InitProcessGroupKwargs)
+        self.autocast_handler = handlers.get(AutocastKwargs)
+
+        if dynamo_plugin is not None and dynamo_backend is not None:
+            raise ValueError("Pass either dynamo_backend or dynamo_plugin, not both.")
+        self.dynamo_plugin = dynamo_plugin or TorchDynamoPlugin(backend=dynamo_backend)
+
+        init_kwargs = self.init_handler.to_kwargs() if self.init_handler else {}
+        self.state = AcceleratorState(
+            mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=self.dynamo_plugin, _from_accelerator=True,
+            **init_kwargs,
+        )  # fmt: skip
+        precision.check_precision_supported(self.state.mixed_precision, self.device)
+
+        if gradient_accumulation_plugin is not None:
+            if gradient_accumulation_steps != 1:
+                raise ValueError(
+                    "Pass gradient_accumulation_steps or gradient_accumulation_plugin, not both "
+                    f"(got gradient_accumulation_steps={gradient_accumulation_steps})."
+                )
+        else:
+            steps = int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", gradient_accumulation_steps))
+            gradient_accumulation_plugin = GradientAccumulationPlugin(num_steps=steps)
+        self.gradient_state = GradientState(gradient_accumulation_plugin=gradient_accumulation_plugin)
+
+        config = dataloader_config or DataLoaderConfiguration()
+        if split_batches is not _UNSET:
+            config.split_batches = bool(split_batches)
+        self.dataloader_config = config
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.rng_types = list(rng_types) if rng_types is not None else ["generator"]
+        self.scaler = precision.make_grad_scaler(self.state.mixed_precision, self.device, self.scaler_handler)
+        self.step = 0
+        self.flag_tensor = None
+        self._models: list = []
+        self._optimizers: list = []
+        self._schedulers: list = []
+        self._dataloaders: list = []
+        self._custom_objects: list = []
+        self._unscaled: set = set()
+        self.log_with = log_with
+        self.trackers: list = []
+        if log_with is not None:
+            from .tracking import filter_trackers
+
+            self.log_with = filter_trackers(log_with, self.logging_dir)
+
+    # -- where we are -----------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.state.mixed_precision
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config.even_batches = value
+
+    @property
+    def dispatch_batches(self):
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def project_dir(self):
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self):
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.plugin_kwargs.update({"num_steps": steps})
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state._set_sync_gradients(value)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    # -- prepare ----------------------------------------------------------------------------
+    def prepare(self, *args, device_placement: Optional[list] = None):
+        """Wrap models, optimizers, schedulers and data loaders, in any order; returned in that order."""
+        if device_placement is None:
+            device_placement = [None] * len(args)
+        elif len(device_placement) != len(args):
+            raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects.")
+        out = list(args)
+        # Models and loaders first, then optimizers, then schedulers (they point at optimizers).
+        for kind in ("first", "optimizer", "scheduler"):
+            for i, obj in enumerate(args):
+                if _kind(obj) == kind:
+                    out[i] = self._prepare_one(obj, device_placement[i])
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _prepare_one(self, obj, placement):
+        if isinstance(obj, torch.utils.data.DataLoader):
+            return self.prepare_data_loader(obj, device_placement=placement)
+        if isinstance(obj, torch.nn.Module):
+            return self.prepare_model(obj, device_placement=placement)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self.prepare_optimizer(obj, device_placement=placement)
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            return self.prepare_scheduler(obj)
+        return obj
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None, evaluation_mode=False):
+        if device_placement is None:
+            device_placement = self.device_placement
+        self._models.append(model)
+        if device_placement and not getattr(model, "hf_device_map", None):
+            model = model.to(self.device)
+        if self.mixed_precision == "fp8":
+            model = precision.prepare_fp8_model(model)
+        elif self.mixed_precision != "no":
+            precision.patch_forward_for_autocast(model, self.mixed_precision, self.device, self.autocast_handler)
+        if not evaluation_mode and self.distributed_type in _DISTRIBUTED_DDP and self.use_distributed:
+            if any(p.requires_grad for p in model.parameters()):
+                kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler else {}
+                hook, hook_state = kwargs.pop("comm_hook", None), kwargs.pop("comm_state", None)
+                ids = [self.local_process_index] if self.device.type not in ("cpu", "meta") else None
+                model = torch.nn.parallel.DistributedDataParallel(
+                    model, device_ids=ids, output_device=ids[0] if ids else None, **kwargs
+                )
+                if hook is not None:
+                    model.register_comm_hook(hook_state, hook)
+        if self.dynamo_plugin.backend not in ("no", None):
+            model = torch.compile(model, **self.dynamo_plugin.to_compile_kwargs())
+        self._models[-1] = model
+        return model
+
+    def prepare_optimizer(self, optimizer, device_placement: Optional[bool] = None):
+        from .optimizer import AcceleratedOptimizer
+
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        if device_placement is None:
+            device_placement = self.device_placement
+        wrapped = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler):
+        from .scheduler import AcceleratedScheduler
+
+        inner = getattr(scheduler, "optimizer", None)
+        optimizers = [opt for opt in self._optimizers if opt.optimizer is inner] or self._optimizers
+        wrapped = AcceleratedScheduler(
+            scheduler, optimizers, step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches,
+        )  # fmt: skip
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader, device_placement: Optional[bool] = None, slice_fn_for_dispatch=None):
+        from .data_loader import prepare_data_loader
+
+        if device_placement is None:
+            device_placement = self.device_placement
+        config = self.dataloader_config
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=self.num_processes, process_index=self.process_index,
+            split_batches=config.split_batches, put_on_device=device_placement, rng_types=list(self.rng_types),
+            dispatch_batches=config.dispatch_batches, even_batches=config.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=config.use_seedable_sampler,
+            data_seed=config.data_seed, non_blocking=config.non_blocking,
+            use_stateful_dataloader=config.use_stateful_dataloader,
+        )  # fmt: skip
+        self._dataloaders.append(prepared)
+        return prepared
+
+    # -- the training step ------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss.backward(), divided by the accumulation steps and scaled for fp16."""
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+        self._unscaled.clear()
+
+    def _do_sync(self) -> None:
+        state = self.gradient_state
+        if state.sync_with_dataloader and state.end_of_dataloader:
+            self.step = 0
+            state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            state._set_sync_gradients(self.step % state.num_steps == 0)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models):
+        """Inside, gradients are reduced only on sync steps (every num_steps-th batch, and always on
+        a loader's last batch); elsewhere DDP's no_sync skips the all-reduce."""
+        self._do_sync()
+        with contextlib.ExitStack() as stack:
+            for model in models:
+                if not self.sync_gradients and not self.gradient_state.sync_each_batch:
+                    stack.enter_context(self.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        if self.use_distributed and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            with model.no_sync():
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: Optional[AutocastKwargs] = None):
+        with precision.autocast_context(self.mixed_precision, self.device, autocast_handler or self.autocast_handler):
+            yield
+
+    def unscale_gradients(self, optimizer=None) -> None:
+        """Divide fp16-scaled gradients by the loss scale (once per step), e.g. before clipping."""
+        if self.scaler is None:
+            return
+        optimizers = self._optimizers if optimizer is None else list(optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        for opt in optimizers:
+            inner = getattr(opt, "optimizer", opt)
+            if id(inner) not in self._unscaled:
+                self.scaler.unscale_(inner)
+                self._unscaled.add(id(inner))
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value) -> None:
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # -- collectives ------------------------------------------------------------------------
+    def gather(self, tensor):
+        return ops.gather(tensor)
+
+    def gather_for_metrics(self, input_data, use_gather_object: bool = False):
+        """Gather across ranks and drop the samples even batching duplicated at the end of the data."""
+        try:
+            ops.recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        use_gather_object = use_gather_object or not all_tensors
+        data = ops.gather_object(input_data) if use_gather_object else self.gather(input_data)
+        state = self.gradient_state
+        if not (state.end_of_dataloader and state.remainder > 0):
+            return data
+
+        def trim(tensor):
+            return tensor[: state.remainder]
+
+        return trim(data) if use_gather_object else ops.recursively_apply(trim, data)
+
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        return ops.reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
+        return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    def wait_for_everyone(self) -> None:
+        self.state.wait_for_everyone()
+
+    def print(self, *args, **kwargs) -> None:
+        self.state.print(*args, **kwargs)
+
+    def main_process_first(self):
+        return self.state.main_process_first()
+
+    def local_main_process_first(self):
+        return self.state.local_main_process_first()
+
+    def split_between_processes(self, inputs, apply_padding: bool = False):
+        return self.state.split_between_processes(inputs, apply_padding=apply_padding)
+
+    def on_main_process(self, function):
+        return self.state.on_main_process(function)
+
+    def on_local_main_process(self, function):
+        return self.state.on_local_main_process(function)
+
+    def on_last_process(self, function):
+        return self.state.on_last_process(function)
+
+    def on_process(self, function=None, process_index=None):
+        return self.state.on_process(function, process_index=process_index)
+
+    def on_local_process(self, function=None, local_process_index=None):
+        return self.state.on_local_process(function, local_process_index=local_process_index)
+
+    def set_trigger(self) -> None:
+        """Raise a flag on this rank; `check_trigger()` on every rank then returns True (e.g. early stop)."""
+        self.flag_tensor = torch.tensor(1, device=self.device)
+
+    def check_trigger(self) -> bool:
+        if self.flag_tensor is None:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+        flag = self.reduce(self.flag_tensor, reduction="sum")
+        if flag.item() >= 1:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+            return True
+        return False
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables, even_batches: Optional[bool] = None):
+        """torch's Join for ranks with different numbers of batches (DDP models only)."""
+        if not (self.use_distributed and self.distributed_type in _DISTRIBUTED_DDP):
+            yield
+            return
+        from torch.distributed.algorithms.join import Join
+
+        saved = self.even_batches
+        if even_batches is not None:
+            self.even_batches = even_batches
+            for loader in self._dataloaders:
+                sampler = getattr(loader, "batch_sampler", None)
+                if hasattr(sampler, "even_batches"):
+                    sampler.even_batches = even_batches
+        try:
+            with Join(joinables):
+                yield
+        finally:
+            self.even_batches = saved
+
+    # -- models and memory ------------------------------------------------------------------
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The user's module: without DDP (and torch.compile unless keep_torch_compile and it wraps
+        the module directly); keep_fp32_wrapper=False also restores the original forward."""
+        compiled = getattr(model, "_orig_mod", None)
+        inner = compiled if compiled is not None else model
+        while isinstance(inner, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            inner = inner.module
+        if not keep_fp32_wrapper:
+            precision.restore_forward(inner)
+        if keep_torch_compile and compiled is not None and inner is compiled:
+            return model
+        return inner
+
+    def get_state_dict(self, model, unwrap: bool = True) -> dict:
+        if unwrap:
+            model = self.unwrap_model(model)
+        return model.state_dict()
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        from .data_loader import skip_first_batches
+
+        return skip_first_batches(dataloader, num_batches=num_batches)
+
+    def free_memory(self, *objects):
+        """Forget every prepared object (and release `objects`), then empty device caches."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.step = 0
+        from .utils.memory import release_memory
+
+        return release_memory(*objects)
+
+    clear = free_memory
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def register_for_checkpointing(self, *objects) -> None:
+        bad = [f"object {i} ({type(o).__name__})" for i, o in enumerate(objects)
+               if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]  # fmt: skip
+        if bad:
+            raise ValueError(
+                f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
+                f"these have not: {', '.join(bad)}."
+            )
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs) -> str:
+        """Save models, optimizers, schedulers, scaler, loaders' positions, registered objects and RNG."""
+        from . import checkpointing as ckpt
+
+        config = self.project_configuration
+        if config.automatic_checkpoint_naming:
+            if output_dir is not None:
+                raise ValueError("With automatic_checkpoint_naming, save_state() takes no output_dir.")
+            output_dir = ckpt.next_checkpoint_dir(config)
+        elif output_dir is None:
+            raise ValueError("save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
+        path = ckpt.save_accelerator_state(
+            output_dir, [self.get_state_dict(m) for m in self._models], self._optimizers, self._schedulers,
+            self._dataloaders, self.process_index, self.num_processes, scaler=self.scaler,
+            custom_objects=self._custom_objects, safe_serialization=safe_serialization,
+            save_on_each_node=config.save_on_each_node, is_main_process=self.is_main_process,
+            wait_for_everyone=self.wait_for_everyone,
+        )  # fmt: skip
+        if config.automatic_checkpoint_naming:
+            config.iteration += 1
+            if self.is_main_process:
+                ckpt.rotate_checkpoints(config)
+            self.wait_for_everyone()
+        return path
+
+    def load_state(self, input_dir: Optional[str] = None, **kwargs) -> None:
+        from . import checkpointing as ckpt
+
+        config = self.project_configuration
+        if input_dir is None:
+            if not config.automatic_checkpoint_naming:
+                raise ValueError("load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
+            saved = ckpt.list_checkpoints(config)
+            if not saved:
+                raise FileNotFoundError(f"No checkpoint to load under {config.project_dir}/checkpoints.")
+            input_dir = saved[-1]
+        ckpt.load_accelerator_state(
+            input_dir, [self.unwrap_model(m) for m in self._models], self._optimizers, self._schedulers,
+            self._dataloaders, self.process_index, scaler=self.scaler, custom_objects=self._custom_objects,
+            map_location=kwargs.get("map_location", "cpu"), strict=kwargs.get("strict", True),
+        )  # fmt: skip
+        number = re.fullmatch(r"checkpoint_(\d+)", os.path.basename(os.path.normpath(input_dir)))
+        if config.automatic_checkpoint_naming and number:
+            config.iteration = int(number.group(1)) + 1  # the next save must not overwrite this one
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True) -> None:
+        from .checkpointing import save_model
+
+        state_dict = self.get_state_dict(model)
+        save_model(state_dict, save_directory, max_shard_size=max_shard_size,
+                   safe_serialization=safe_serialization, is_main_process=self.is_main_process)  # fmt: skip
+        self.wait_for_everyone()
+
+    def save(self, obj, f, safe_serialization: bool = False) -> None:
+        """torch.save (or safetensors for a dict of tensors) on the main process only."""
+        if not self.is_main_process:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file(obj, f)
+        else:
+            torch.save(obj, f)
+
+    # -- tracking ---------------------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: Optional[dict] = None, init_kwargs: Optional[dict] = None):
+        from .tracking import make_trackers
+
+        if self.is_main_process:
+            self.trackers = make_trackers(project_name, self.log_with or [], self.logging_dir, config, init_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False):
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        raise ValueError(f"No tracker named {name!r}; started: {[t.name for t in self.trackers]}.")
+
+    def log(self, values: dict, step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
+        if not self.is_main_process:
+            return
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
+
+    def end_training(self) -> None:
+        if self.is_main_process:
+            for tracker in self.trackers:
+                tracker.finish()
+        self.wait_for_everyone()
+
+    def __repr__(self) -> str:
+        return f"Accelerator({self.distributed_type}, {self.num_processes} process(es), device={self.device}, mixed_precision={self.mixed_precision})"
+
+
+def _kind(obj) -> str:
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+        return "scheduler"
+    return "first"
+
+
+def _sort_handlers(handlers: list) -> dict:
+    by_type: dict = {}
+    for handler in handlers:
+        if not isinstance(handler, KwargsHandler):
+            raise TypeError(f"kwargs_handlers takes KwargsHandler instances, got {type(handler).__name__}: {handler!r}.")
+        kind = type(handler)
+        if kind in by_type:
+            raise ValueError(f"kwargs_handlers has two {kind.__name__} objects; pass one of each kind.")
+        by_type[kind] = handler
+    return by_type
+

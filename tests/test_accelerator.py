@@ -1,0 +1,136 @@
+"""Accelerator end to end: the same loop on 1, 2 and 4 real processes (gloo)."""
+
+import pytest
+import torch
+from accel_targets import accumulated_params, metrics_rows, reference_params, sync_pattern, train_with_checkpoint
+from mp import run_ranks
+
+from notebook_accel import Accelerator, AcceleratorState, GradientState, PartialState
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world, per_rank_batch, accumulation", [(1, 4, 2), (2, 4, 2), (4, 2, 2), (2, 8, 1)])
+def test_accumulated_training_equals_single_process_global_batch(world, per_rank_batch, accumulation):
+    expected = reference_params(global_batch=world * per_rank_batch * accumulation)
+    if world == 1:
+        results = [accumulated_params(per_rank_batch, accumulation)]
+    else:
+        results = run_ranks(accumulated_params, world, per_rank_batch, accumulation, timeout=100)
+    for params, syncs, num_processes in results:
+        assert num_processes == world
+        assert syncs.count(True) == len(syncs) // accumulation
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # every rank ends with the same weights
+    for params, _, _ in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0][0]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2])
+def test_accumulate_sync_pattern_over_five_batches(world):
+    patterns = [sync_pattern()] if world == 1 else run_ranks(sync_pattern, world, timeout=100)
+    assert patterns == [[False, True, False, True, True]] * world
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gather_for_metrics_drops_even_batches_duplicates(world):
+    rows = [metrics_rows()] if world == 1 else run_ranks(metrics_rows, world, timeout=100)
+    for got in rows:
+        assert len(got) == 99
+        assert sorted(got) == [float(i) for i in range(99)]
+
+
+@pytest.mark.timeout(120)
+def test_resume_is_bit_identical_in_one_process(tmp_path):
+    full, full_losses = train_with_checkpoint(str(tmp_path / "unused"))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    _, first_losses = train_with_checkpoint(str(tmp_path / "ckpt"), stop_after=17)  # mid-epoch 2 of 3
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    # different seeds before loading: everything random must come from the checkpoint
+    resumed, rest_losses = train_with_checkpoint(str(tmp_path / "ckpt"), resume=True, seed_offset=5)
+    assert first_losses + rest_losses == full_losses
+    assert all(torch.equal(a, b) for a, b in zip(resumed, full))
+
+
+@pytest.mark.timeout(60)
+def test_fp16_overflow_skips_optimizer_and_scheduler_step():
+    accelerator = Accelerator(mixed_precision="fp16")
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.ones(2, 4)).sum() * 1e30  # inf once scaled: the step must be skipped
+    accelerator.backward(loss)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    assert accelerator.optimizer_step_was_skipped and opt.step_was_skipped
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert sched.get_last_lr() == [0.1]
+    # one small sample: at scale 32768 a batch of 2 overflows the fp16 bias gradient (2 * 32768 > 65504)
+    loss = model(torch.full((1, 4), 0.01)).sum()
+    accelerator.backward(loss)
+    opt.step()
+    sched.step()
+    assert not accelerator.optimizer_step_was_skipped
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert sched.get_last_lr() == [0.05]
+
+
+def test_prepare_keeps_order_and_types():
+    accelerator = Accelerator()
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    out = accelerator.prepare(sched, loader, opt, model)
+    assert isinstance(out[0], torch.optim.lr_scheduler.LRScheduler) or hasattr(out[0], "scheduler")
+    assert isinstance(out[1], torch.utils.data.DataLoader)
+    assert isinstance(out[2], torch.optim.Optimizer)
+    assert accelerator.unwrap_model(out[3]) is model
+    assert accelerator.prepare(model) is model or accelerator.unwrap_model(accelerator.prepare(model)) is model
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="fp32x"):
+        Accelerator(mixed_precision="fp32x")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    from notebook_accel.utils import GradientAccumulationPlugin
+
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
+        Accelerator(gradient_accumulation_steps=4, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(TypeError, match="KwargsHandler"):
+        Accelerator(kwargs_handlers=[{"find_unused_parameters": True}])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator()
+    with pytest.raises(ValueError, match=r"object 0 \(int\)"):
+        accelerator.register_for_checkpointing(3)
+
+
+def test_triggers_and_clipping_in_one_process():
+    accelerator = Accelerator()
+    assert not accelerator.check_trigger()
+    accelerator.set_trigger()
+    assert accelerator.check_trigger() and not accelerator.check_trigger()
+    model = accelerator.prepare(torch.nn.Linear(3, 1))
+    accelerator.backward(model(torch.full((2, 3), 10.0)).sum())
+    norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    assert norm > 1.0
+    total = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert total <= 1.0 + 1e-5
+    assert PartialState().num_processes == 1

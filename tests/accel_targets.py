@@ -59,7 +59,7 @@ def sync_pattern(batches=5, steps=2):
     loader = torch.utils.data.DataLoader(make_data(batches * accelerator.num_processes), batch_size=1)
     model, loader = accelerator.prepare(model, loader)
     pattern = []
-    for x, y in loader:
+    for _batch in loader:
         with accelerator.accumulate(model):
             pattern.append(accelerator.sync_gradients)
     return pattern

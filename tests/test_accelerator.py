@@ -2,7 +2,13 @@
 
 import pytest
 import torch
-from accel_targets import accumulated_params, metrics_rows, reference_params, sync_pattern, train_with_checkpoint
+from accel_targets import (
+    accumulated_params,
+    metrics_rows,
+    reference_params,
+    sync_pattern,
+    train_with_checkpoint,
+)
 from mp import run_ranks
 
 from notebook_accel import Accelerator, AcceleratorState, GradientState, PartialState

@@ -34,9 +34,28 @@ def _loader(rank: int, world: int, steps: int):
 
 def _time_block(step, batches) -> float:
     start = time.perf_counter()
+    n = 0
     for x, y in batches:
         step(x, y)
-    return (time.perf_counter() - start) / len(batches)
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def _accelerator_loop(accelerator, model, opt, loader):
+    """One block: an epoch of the loader through `accelerator` (ours or accelerate's); s/step."""
+
+    def block() -> float:
+        start = time.perf_counter()
+        n = 0
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            n += 1
+        return (time.perf_counter() - start) / n
+
+    return block
 
 
 def run(rounds: int, steps: int, with_accelerate: bool):
@@ -48,11 +67,11 @@ def run(rounds: int, steps: int, with_accelerate: bool):
     rank, world = state.process_index, state.num_processes
     data = _loader(rank, world, steps)
 
-    # hand-written DDP over this rank's own shard
+    # hand-written DDP: a DistributedSampler loader, iterated live as in any real loop
     raw_model = torch.nn.parallel.DistributedDataParallel(_model())
     raw_opt = torch.optim.SGD(raw_model.parameters(), lr=0.01)
-    shard = torch.utils.data.Subset(data, range(rank, len(data), world))
-    raw_batches = list(torch.utils.data.DataLoader(shard, batch_size=BATCH))
+    sampler = torch.utils.data.distributed.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+    raw_batches = torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
 
     def raw_step(x, y):
         loss = torch.nn.functional.cross_entropy(raw_model(x), y)
@@ -65,16 +84,7 @@ def run(rounds: int, steps: int, with_accelerate: bool):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt, loader = accelerator.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=BATCH))
 
-    def ours_block():
-        start = time.perf_counter()
-        n = 0
-        for x, y in loader:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            accelerator.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            n += 1
-        return (time.perf_counter() - start) / n
+    ours_block = _accelerator_loop(accelerator, model, opt, loader)
 
     blocks = {"ddp": [], "ours": []}
     theirs = None
@@ -87,23 +97,15 @@ def run(rounds: int, steps: int, with_accelerate: bool):
             t_opt = torch.optim.SGD(t_model.parameters(), lr=0.01)
             t_model, t_opt, t_loader = theirs_acc.prepare(t_model, t_opt, torch.utils.data.DataLoader(data, batch_size=BATCH))
 
-            def theirs():
-                start = time.perf_counter()
-                n = 0
-                for x, y in t_loader:
-                    loss = torch.nn.functional.cross_entropy(t_model(x), y)
-                    theirs_acc.backward(loss)
-                    t_opt.step()
-                    t_opt.zero_grad()
-                    n += 1
-                return (time.perf_counter() - start) / n
-
+            theirs = _accelerator_loop(theirs_acc, t_model, t_opt, t_loader)
             blocks["accelerate"] = []
         except ImportError:
             theirs = None
 
-    _time_block(raw_step, raw_batches[:5])  # warm-up
+    _time_block(raw_step, raw_batches)  # warm-up: one epoch of each
     ours_block()
+    if theirs is not None:
+        theirs()
     for _ in range(rounds):
         dist.barrier()
         blocks["ddp"].append(_time_block(raw_step, raw_batches))

@@ -77,11 +77,18 @@ class Accelerator:
         self.dynamo_plugin = dynamo_plugin or TorchDynamoPlugin(backend=dynamo_backend)
 
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler else {}
+        existed = bool(AcceleratorState._shared_state)
         self.state = AcceleratorState(
             mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=self.dynamo_plugin, _from_accelerator=True,
             **init_kwargs,
         )  # fmt: skip
-        precision.check_precision_supported(self.state.mixed_precision, self.device)
+        try:
+            precision.check_precision_supported(self.state.mixed_precision, self.device)
+        except ValueError:
+            if not existed:
+                # Keep no state with the refused precision: the next Accelerator(...) may ask for another.
+                AcceleratorState._reset_state()
+            raise
 
         if gradient_accumulation_plugin is not None:
             if gradient_accumulation_steps != 1:
@@ -476,7 +483,9 @@ class Accelerator:
 
     def get_state_dict(self, model, unwrap: bool = True) -> dict:
         if unwrap:
-            model = self.unwrap_model(model)
+            # The user's module's keys: a compiled wrapper would prefix them all with "_orig_mod.",
+            # and neither the original module nor load_state could load them back.
+            model = self.unwrap_model(model, keep_torch_compile=False)
         return model.state_dict()
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):

@@ -430,7 +430,7 @@ def _checkpoints_root(project_config) -> str:
 
 
 def next_checkpoint_dir(project_config) -> str:
-    """`{project_dir}/checkpoints/checkpoint_{iteration}`; refuses to name a folder that exists."""
+    """`{project_dir}/checkpoints/checkpoint_{iteration}`; refuses a folder that exists or is older than one that does."""
     if not project_config.automatic_checkpoint_naming:
         raise ValueError(
             "ProjectConfiguration(automatic_checkpoint_naming=False): pass an output folder to save_state, "
@@ -441,6 +441,14 @@ def next_checkpoint_dir(project_config) -> str:
         raise FileExistsError(
             f"{path} already exists: a fresh run would overwrite it. Resume with load_state (which moves the "
             "iteration on), or set project_config.iteration to the next free number."
+        )
+    saved = list_checkpoints(project_config)
+    latest = int(re.fullmatch(r"checkpoint_(\d+)", os.path.basename(saved[-1])).group(1)) if saved else -1
+    if latest > project_config.iteration:
+        # It would sort before the existing ones, and total_limit rotation would delete it at once.
+        raise FileExistsError(
+            f"{saved[-1]} is newer than the checkpoint_{project_config.iteration} this save would write. Resume with "
+            f"load_state (which moves the iteration on), or set project_config.iteration to {latest + 1}."
         )
     return path
 

@@ -109,6 +109,13 @@ class DistributedDataParallelKwargs(KwargsHandler):
     comm_hook: Optional[Callable] = None  # a torch DDP comm hook, registered after wrapping
     comm_state: Any = None
 
+    def to_dict(self) -> dict:
+        # The hook's state is the user's live object (a call counter, a PowerSGDState): handed on as
+        # it is, never a deep copy the user cannot see into (or that holds an uncopyable process group).
+        shared = ("comm_hook", "comm_state")
+        rest = copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in shared})
+        return {**rest, **{k: self.__dict__[k] for k in shared}}
+
 
 @dataclass
 class GradScalerKwargs(KwargsHandler):

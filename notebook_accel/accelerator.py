@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from typing import Any, Optional
 
 import torch
@@ -519,48 +518,15 @@ class Accelerator:
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs) -> str:
         """Save models, optimizers, schedulers, scaler, loaders' positions, registered objects and RNG."""
-        from . import checkpointing as ckpt
+        from .checkpointing import save_state
 
-        config = self.project_configuration
-        if config.automatic_checkpoint_naming:
-            if output_dir is not None:
-                raise ValueError("With automatic_checkpoint_naming, save_state() takes no output_dir.")
-            output_dir = ckpt.next_checkpoint_dir(config)
-        elif output_dir is None:
-            raise ValueError("save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
-        path = ckpt.save_accelerator_state(
-            output_dir, [self.get_state_dict(m) for m in self._models], self._optimizers, self._schedulers,
-            self._dataloaders, self.process_index, self.num_processes, scaler=self.scaler,
-            custom_objects=self._custom_objects, safe_serialization=safe_serialization,
-            save_on_each_node=config.save_on_each_node, is_main_process=self.is_main_process,
-            wait_for_everyone=self.wait_for_everyone,
-        )  # fmt: skip
-        if config.automatic_checkpoint_naming:
-            config.iteration += 1
-            if self.is_main_process:
-                ckpt.rotate_checkpoints(config)
-            self.wait_for_everyone()
-        return path
+        return save_state(self, output_dir, safe_serialization=safe_serialization)
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs) -> None:
-        from . import checkpointing as ckpt
+        """Restore everything save_state wrote; with automatic naming and no input_dir, the latest."""
+        from .checkpointing import load_state
 
-        config = self.project_configuration
-        if input_dir is None:
-            if not config.automatic_checkpoint_naming:
-                raise ValueError("load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
-            saved = ckpt.list_checkpoints(config)
-            if not saved:
-                raise FileNotFoundError(f"No checkpoint to load under {config.project_dir}/checkpoints.")
-            input_dir = saved[-1]
-        ckpt.load_accelerator_state(
-            input_dir, [self.unwrap_model(m) for m in self._models], self._optimizers, self._schedulers,
-            self._dataloaders, self.process_index, scaler=self.scaler, custom_objects=self._custom_objects,
-            map_location=kwargs.get("map_location", "cpu"), strict=kwargs.get("strict", True),
-        )  # fmt: skip
-        number = re.fullmatch(r"checkpoint_(\d+)", os.path.basename(os.path.normpath(input_dir)))
-        if config.automatic_checkpoint_naming and number:
-            config.iteration = int(number.group(1)) + 1  # the next save must not overwrite this one
+        load_state(self, input_dir, map_location=kwargs.get("map_location", "cpu"), strict=kwargs.get("strict", True))
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True) -> None:
         from .checkpointing import save_model

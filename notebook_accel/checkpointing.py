@@ -481,3 +481,52 @@ def rotate_checkpoints(project_config) -> list:
         os.rename(path, trash)
         shutil.rmtree(trash)
     return doomed
+
+
+# -- the Accelerator's save_state / load_state ------------------------------------------------
+
+
+def save_state(accelerator, output_dir: Optional[str] = None, safe_serialization: bool = True) -> str:
+    """Accelerator.save_state: pick the folder (automatic naming or output_dir), save, rotate."""
+    config = accelerator.project_configuration
+    if config.automatic_checkpoint_naming:
+        if output_dir is not None:
+            raise ValueError("With automatic_checkpoint_naming, save_state() takes no output_dir.")
+        output_dir = next_checkpoint_dir(config)
+    elif output_dir is None:
+        raise ValueError("save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
+    acc = accelerator
+    path = save_accelerator_state(
+        output_dir, [acc.get_state_dict(m) for m in acc._models], acc._optimizers, acc._schedulers,
+        acc._dataloaders, acc.process_index, acc.num_processes, scaler=acc.scaler,
+        custom_objects=acc._custom_objects, safe_serialization=safe_serialization,
+        save_on_each_node=config.save_on_each_node, is_main_process=acc.is_main_process,
+        wait_for_everyone=acc.wait_for_everyone,
+    )  # fmt: skip
+    if config.automatic_checkpoint_naming:
+        config.iteration += 1
+        if accelerator.is_main_process:
+            rotate_checkpoints(config)
+        accelerator.wait_for_everyone()
+    return path
+
+
+def load_state(accelerator, input_dir: Optional[str] = None, map_location="cpu", strict: bool = True) -> None:
+    """Accelerator.load_state: the given folder, or the latest automatic checkpoint."""
+    config = accelerator.project_configuration
+    if input_dir is None:
+        if not config.automatic_checkpoint_naming:
+            raise ValueError("load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
+        saved = list_checkpoints(config)
+        if not saved:
+            raise FileNotFoundError(f"No checkpoint to load under {config.project_dir}/checkpoints.")
+        input_dir = saved[-1]
+    acc = accelerator
+    load_accelerator_state(
+        input_dir, [acc.unwrap_model(m) for m in acc._models], acc._optimizers, acc._schedulers,
+        acc._dataloaders, acc.process_index, scaler=acc.scaler, custom_objects=acc._custom_objects,
+        map_location=map_location, strict=strict,
+    )  # fmt: skip
+    number = re.fullmatch(r"checkpoint_(\d+)", os.path.basename(os.path.normpath(input_dir)))
+    if config.automatic_checkpoint_naming and number:
+        config.iteration = int(number.group(1)) + 1  # the next save must not overwrite this one

@@ -218,3 +218,12 @@ def test_engine_choice_by_family(family, nodes, restarts, rdzv, engine):
     from notebook_accel.launch.plan import choose_engine
 
     assert choose_engine(family, nodes, restarts, rdzv) == engine
+
+
+def test_fork_after_cuda_initialisation_is_refused_before_any_process_starts(monkeypatch):
+    # CUDA cannot initialise on this machine; the value torch would report after it did is given
+    # directly, so the launcher's own decision is what is tested (the device check covers the rest).
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(LaunchConfigError, match=r"start_method='spawn'"):
+        make_plan(num_processes=2, use_port="auto", start_method="fork")
+    assert make_plan(num_processes=2, use_port="auto", start_method="spawn").start_method == "spawn"

@@ -144,8 +144,8 @@ def test_plan_is_frozen():
         p.num_processes = 3
 
 
-def test_no_num_processes_without_config_or_devices_means_one_with_a_note(monkeypatch):
-    monkeypatch.setattr(plan_module, "_configured_num_processes", lambda: None)
+def test_no_num_processes_without_config_or_devices_means_one_with_a_note(monkeypatch, tmp_path):
+    monkeypatch.setenv("NOTEBOOK_ACCEL_CONFIG_FILE", str(tmp_path / "none.yaml"))
     p = make_plan(num_processes=None, use_port="auto", cpu=True)
     assert p.num_processes == 1
     assert any("num_processes=1" in note and "num_processes=N" in note for note in p.notes)

@@ -1,30 +1,19 @@
-"""`notebook-accel`: subcommands for the terminal. `env` prints what this machine has."""
+"""`notebook-accel`: config, launch, env and test, for the terminal."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Optional, Sequence
 
-
-def _env(args: argparse.Namespace) -> int:
-    from .. import hardware
-
-    report = hardware.report()
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(report)
-    return 0
+from . import config_cmd, env_cmd, launch_cmd, selfcheck
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="notebook-accel", description="Run PyTorch on N processes from a notebook.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    env = sub.add_parser("env", help="show the hardware, environment and versions found here")
-    env.add_argument("--json", action="store_true", help="print the report as JSON")
-    env.set_defaults(run=_env)
+    for module in (config_cmd, launch_cmd, env_cmd, selfcheck):
+        module.add_parser(sub)
     return parser
 
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 from . import events as ev
-from .plan import LaunchPlan, make_plan
+from .plan import LaunchPlan, default, make_plan
 from .sinks import ConsoleSink, Fanout
 
 
@@ -17,27 +17,29 @@ def notebook_launcher(
     function,
     args=(),
     num_processes: Optional[int] = None,
-    mixed_precision: str = "no",
-    use_port: str = "29500",
-    master_addr: str = "127.0.0.1",
-    node_rank: int = 0,
-    num_nodes: int = 1,
-    rdzv_backend: str = "static",
+    mixed_precision: str = default("no"),
+    use_port: str = default("29500"),
+    master_addr: str = default("127.0.0.1"),
+    node_rank: int = default(0),
+    num_nodes: int = default(1),
+    rdzv_backend: str = default("static"),
     rdzv_endpoint: str = "",
     rdzv_conf: Optional[dict] = None,
     rdzv_id: str = "none",
-    max_restarts: int = 0,
+    max_restarts: int = default(0),
     monitor_interval: float = 0.1,
     log_line_prefix_template: Optional[str] = None,
     start_method: str = "fork",
     *,
-    cpu: bool = False,
+    cpu: Optional[bool] = None,
     sinks=None,
 ) -> list:
     """Run `function(*args)` on `num_processes` processes; return each local rank's return value.
 
     A rank that raises makes this raise `LaunchFailedError` (a torch `ChildFailedError`) with that
     rank's traceback; the other ranks are stopped. `sinks` replace the console sink (see sinks.py).
+    Arguments left out come from the config file (`notebook-accel config`) when there is one, else
+    take the defaults shown; `cpu=None` means the config's `use_cpu`, else False.
     """
     if not callable(function):
         raise TypeError(f"notebook_launcher needs a function to run, got {type(function).__name__}: {function!r}")
@@ -61,7 +63,11 @@ def notebook_launcher(
 
 def debug_launcher(function, args=(), num_processes: int = 2) -> list:
     """Run on `num_processes` CPU processes with gloo (MULTI_CPU, distinct ranks), for debugging."""
-    return notebook_launcher(function, args, num_processes=num_processes, use_port="auto", cpu=True)
+    # Every launch setting explicit: a config file for real runs must not turn this into one.
+    return notebook_launcher(
+        function, args, num_processes=num_processes, mixed_precision="no", use_port="auto",
+        master_addr="127.0.0.1", node_rank=0, num_nodes=1, rdzv_backend="static", max_restarts=0, cpu=True,
+    )  # fmt: skip
 
 
 def run_plan(plan: LaunchPlan, function, args: tuple, sink) -> list:
@@ -80,9 +86,9 @@ def run_plan(plan: LaunchPlan, function, args: tuple, sink) -> list:
 
 def _run_here(plan: LaunchPlan, function, args: tuple) -> list:
     """One process: run in the caller (accelerate does too), with the plan's settings visible."""
-    from ..utils.environment import MIXED_PRECISION_ENV, USE_CPU_ENV
+    from ..utils.environment import DEBUG_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
 
-    keep = {k: plan.env[k] for k in (MIXED_PRECISION_ENV, USE_CPU_ENV) if k in plan.env}
+    keep = {k: plan.env[k] for k in (MIXED_PRECISION_ENV, USE_CPU_ENV, DEBUG_ENV) if k in plan.env}
     with _patched_environ(keep):
         return [function(*args)]
 

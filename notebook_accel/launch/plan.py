@@ -15,6 +15,30 @@ START_METHODS = ("fork", "spawn", "forkserver")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 
 
+# Marked defaults: they print as the documented value, yet tell "not passed" from "passed", so the
+# config file can supply what the caller left out and an explicit argument still wins.
+class _Default:
+    pass
+
+
+class _DefaultStr(str, _Default):
+    pass
+
+
+class _DefaultInt(int, _Default):
+    pass
+
+
+def default(value):
+    """A marked default for a launch argument (see is_default)."""
+    return _DefaultInt(value) if isinstance(value, int) else _DefaultStr(value)
+
+
+def is_default(value) -> bool:
+    """True for None and marked defaults: the caller did not choose this value."""
+    return value is None or isinstance(value, _Default)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     num_processes: int  # on this node
@@ -56,26 +80,38 @@ class LaunchPlan:
 
 def make_plan(
     num_processes=None,
-    mixed_precision="no",
-    use_port="29500",
-    master_addr="127.0.0.1",
-    node_rank=0,
-    num_nodes=1,
-    rdzv_backend="static",
+    mixed_precision=default("no"),
+    use_port=default("29500"),
+    master_addr=default("127.0.0.1"),
+    node_rank=default(0),
+    num_nodes=default(1),
+    rdzv_backend=default("static"),
     rdzv_endpoint="",
     rdzv_conf=None,
     rdzv_id="none",
-    max_restarts=0,
+    max_restarts=default(0),
     monitor_interval=0.1,
     log_line_prefix_template=None,
     start_method="fork",
-    cpu: bool = False,
+    cpu: Optional[bool] = None,
+    *,
+    debug: Optional[bool] = None,
+    gpu_ids: Optional[str] = None,
+    config_file: Optional[str] = None,
 ) -> LaunchPlan:
     from .. import hardware
     from ..utils.dataclasses import parse_mixed_precision
-    from ..utils.environment import LAUNCHER_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
+    from ..utils.environment import DEBUG_ENV, LAUNCHER_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
 
     notes = []
+    (num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes, cpu, rdzv_backend,
+     max_restarts, debug, gpu_ids) = _with_config(
+        config_file, notes, num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes, cpu,
+        rdzv_backend, max_restarts, debug, gpu_ids,
+    )  # fmt: skip
+    cpu = bool(cpu)
+    master_addr = None if master_addr is None else str(master_addr)
+    rdzv_backend = str(rdzv_backend)
     if start_method not in START_METHODS:
         raise LaunchConfigError(f"start_method={start_method!r} is not one of {START_METHODS}.")
     try:
@@ -96,6 +132,9 @@ def make_plan(
     engine = choose_engine(family, num_nodes, max_restarts, rdzv_backend)
 
     devices = hardware.device_count(family) if family not in (None, "mps", "xla") else 0
+    visible = _visible_devices(family, gpu_ids, devices)
+    if visible:
+        devices = len(visible[1].split(","))
     if num_processes is None:
         num_processes = _default_num_processes(devices, engine, notes)
     num_processes = _positive_int("num_processes", num_processes)
@@ -121,6 +160,10 @@ def make_plan(
     }
     if cpu:
         env[USE_CPU_ENV] = "1"
+    if debug is not None:
+        env[DEBUG_ENV] = "1" if debug else "0"
+    if visible:
+        env[visible[0]] = visible[1]
     if start_method == "fork":
         env["FORK_LAUNCHED"] = "1"
     return LaunchPlan(
@@ -172,28 +215,65 @@ def _positive_int(name: str, value) -> int:
 
 
 def _default_num_processes(devices: int, engine: str, notes: list) -> int:
-    configured = _configured_num_processes()
-    if configured is not None:
-        return configured
     if devices:
         return devices
     if engine == "xla":
         return 1
     notes.append(
-        "notebook_accel: no accelerator and no config, so num_processes=1; pass num_processes=N to run N CPU ranks."
+        "notebook_accel: no accelerator and no num_processes (argument or config), so num_processes=1; pass "
+        "num_processes=N to run N CPU ranks."
     )
     return 1
 
 
-def _configured_num_processes() -> Optional[int]:
-    # The config layer (notebook_accel.config) is optional here: a launch must work without it.
-    try:
-        from .. import config
-    except ImportError:
+_CONFIGURABLE = (
+    "num_processes", "mixed_precision", "use_port", "master_addr", "node_rank", "num_nodes", "cpu",
+    "rdzv_backend", "max_restarts", "debug", "gpu_ids",
+)  # fmt: skip
+
+
+def _with_config(config_file, notes: list, *given) -> tuple:
+    """The arguments (in _CONFIGURABLE order), with the config's values where the caller chose none."""
+    config = _load_config(config_file)
+    if config is None:
+        return given
+    values = dict(zip(_CONFIGURABLE, given))
+    taken = {k: v for k, v in config.launch_defaults().items() if is_default(values[k])}
+    shown = [f"{k}={v!r}" for k, v in taken.items() if v != values[k] and not (values[k] is None and v is False)]
+    if shown:
+        notes.append(f"notebook_accel: from {config.path}: {', '.join(shown)}")
+    values.update(taken)
+    return tuple(values[k] for k in _CONFIGURABLE)
+
+
+def _load_config(config_file):
+    """The launch config: `config_file` if given (it must exist), else the default file if present."""
+    from .. import config
+
+    return config.load_default() if config_file is None else config.load_config(config_file)
+
+
+# The variable that restricts each family to the chosen device indices (gpu_ids).
+_VISIBLE_ENV = {
+    "cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK", "npu": "ASCEND_RT_VISIBLE_DEVICES",
+    "mlu": "MLU_VISIBLE_DEVICES", "musa": "MUSA_VISIBLE_DEVICES", "sdaa": "SDAA_VISIBLE_DEVICES",
+}  # fmt: skip
+
+
+def _visible_devices(family, gpu_ids, devices: int):
+    """(variable, "0,2") for gpu_ids naming devices, or None for all of them (or no accelerator)."""
+    if gpu_ids is None or family is None or str(gpu_ids).strip().lower() == "all":
         return None
-    loader = getattr(config, "load_default", None)
-    cfg = loader() if loader else None
-    return getattr(cfg, "num_processes", None) if cfg is not None else None
+    try:
+        ids = [int(p) for p in str(gpu_ids).split(",") if p.strip()]
+    except ValueError:
+        raise LaunchConfigError(f"gpu_ids={gpu_ids!r} must be 'all' or device indices like '0,1'.") from None
+    if family not in _VISIBLE_ENV:
+        raise LaunchConfigError(f"gpu_ids={gpu_ids!r} cannot select {family} devices; leave it at 'all'.")
+    bad = [i for i in ids if not 0 <= i < devices]
+    if bad or not ids:
+        raise LaunchConfigError(f"gpu_ids={gpu_ids!r}: {family} devices here are 0..{devices - 1}.")
+    return _VISIBLE_ENV[family], ",".join(map(str, ids))
 
 
 def _check_fork_is_safe() -> None:
@@ -234,6 +314,8 @@ def free_port(addr: str = "127.0.0.1") -> int:
 
 def _is_free(port: int, addr: str) -> bool:
     with socket.socket() as s:
+        # As torch's TCPStore binds: a port left in TIME_WAIT by the last launch is free, a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
         except OSError:

@@ -1,0 +1,186 @@
+"""`notebook-accel launch script.py [args]` (or `-m module`): the script on every rank, on our launcher.
+
+Each rank runs the script as `python script.py args` would (`__name__ == "__main__"`, `sys.argv`),
+so output comes back as `[rank N] line` and a failing rank is reported with its traceback, as
+notebook_launcher does. Several machines or restarts go through torch elastic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import runpy
+import sys
+import traceback
+
+from .. import config as cfg
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "launch", help="run a script (or -m module) on N processes",
+        description="Run a script on N processes (and M machines). Options left out come from the config "
+        "file (see `notebook-accel config`), else from this machine's hardware.",
+    )  # fmt: skip
+    p.add_argument("--config_file", default=None, help="config to read (default: the one `notebook-accel config` wrote)")
+    p.add_argument("--num_processes", type=_positive, default=None,
+                   help="processes on all machines together (as accelerate counts them)")  # fmt: skip
+    p.add_argument("--num_machines", type=_positive, default=None, help="number of machines taking part")
+    p.add_argument("--machine_rank", type=_non_negative, default=None, help="rank of this machine (0 is the main one)")
+    p.add_argument("--main_process_ip", default=None, help="address of the machine with rank 0")
+    p.add_argument("--main_process_port", type=_port, default=None, help="port on the main machine, or 'auto'")
+    p.add_argument("--rdzv_backend", choices=cfg.RDZV_BACKENDS, default=None, help="how the machines meet")
+    p.add_argument("--mixed_precision", choices=cfg.MIXED_PRECISIONS, default=None, help="mixed precision mode")
+    p.add_argument("--cpu", action="store_true", default=None, help="run on CPU processes even if accelerators exist")
+    p.add_argument("--gpu_ids", default=None, help="devices to use, like 0,1 (default: all)")
+    p.add_argument("--debug", action="store_true", default=None, help="check collectives for mismatched shapes")
+    p.add_argument("--max_restarts", type=_non_negative, default=None, help="restart the group this often on failure")
+    p.add_argument("--monitor_interval", type=_positive_float, default=0.1, help="seconds between health checks")
+    p.add_argument("--start_method", choices=("fork", "spawn", "forkserver"), default="fork",
+                   help="how ranks start (default fork: this process has computed nothing)")  # fmt: skip
+    p.add_argument("-m", "--module", action="store_true", help="treat the script as a module name, as `python -m`")
+    p.add_argument("training_script", help="the script to run (or the module, with -m)")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(run=run, parser=p)
+
+
+def _positive(text: str) -> int:
+    value = _whole(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _whole(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+    return value
+
+
+def _port(text: str) -> str:
+    if text.lower() == "auto":
+        return "auto"
+    value = _whole(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside 1..65535")
+    return str(value)
+
+
+def run_script(target: str, argv: list, as_module: bool) -> int:
+    """Runs in each rank: the script as its own __main__. SystemExit(0 or None) is success."""
+    if as_module:
+        sys.argv = [target, *argv]  # run_module replaces argv[0] with the module's file
+        sys.path.insert(0, os.getcwd())  # as `python -m` does
+    else:
+        sys.argv = [target, *argv]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python script.py` does
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+    return 0
+
+
+def _launch_kwargs(args: argparse.Namespace, config) -> dict:
+    """make_plan's arguments for what was given on the command line; the rest come from the config."""
+    out = {}
+    if args.num_processes is not None:
+        machines = args.num_machines or (config.num_machines if config else 1)
+        if args.num_processes % machines:
+            raise ValueError(f"--num_processes {args.num_processes} cannot be split evenly over {machines} "
+                             "machines (it counts the processes on all machines together)")  # fmt: skip
+        out["num_processes"] = args.num_processes // machines
+    given = {
+        "num_nodes": args.num_machines, "node_rank": args.machine_rank, "master_addr": args.main_process_ip,
+        "use_port": args.main_process_port, "rdzv_backend": args.rdzv_backend, "cpu": args.cpu,
+        "mixed_precision": args.mixed_precision, "gpu_ids": args.gpu_ids, "debug": args.debug,
+        "max_restarts": args.max_restarts,
+    }  # fmt: skip
+    out.update({k: v for k, v in given.items() if v is not None})
+    machines = args.num_machines or (config.num_machines if config else 1)
+    if "use_port" not in out and machines == 1 and (config is None or config.main_process_port is None):
+        out["use_port"] = "auto"  # one machine needs no agreed port; a fixed one may be busy
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..launch import ConsoleSink, LaunchConfigError, LaunchFailedError, make_plan
+    from ..launch.launcher import run_plan
+    from ..launch.sinks import Fanout
+
+    parser = args.parser
+    target = args.training_script
+    if args.module:
+        sys.path.insert(0, os.getcwd())  # where `python -m` looks first
+        try:
+            found = importlib.util.find_spec(target)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            parser.error(f"no module named {target!r} (from {os.getcwd()})")
+    elif not os.path.isfile(target):
+        parser.error(f"script {target!r} not found")
+    try:
+        config = cfg.load_config(args.config_file) if args.config_file else cfg.load_default()
+        kwargs = _launch_kwargs(args, config)
+    except cfg.ConfigError as exc:
+        print(f"notebook-accel launch: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        parser.error(str(exc))
+    import torch
+
+    # This process only starts ranks and never computes, so forking is safe with any thread count;
+    # one thread here tells the plan so (it cannot know otherwise) and ranks get cores // N threads.
+    torch.set_num_threads(1)
+    try:
+        plan = make_plan(
+            start_method=args.start_method, monitor_interval=args.monitor_interval, rdzv_id="notebook-accel-launch",
+            config_file=args.config_file, **kwargs,
+        )  # fmt: skip
+    except LaunchConfigError as exc:
+        parser.error(str(exc))
+    for note in plan.notes:
+        print(note, file=sys.stderr)
+    sink = Fanout([ConsoleSink()])
+    try:
+        run_plan(plan, run_script, (target, list(args.training_script_args), args.module), sink)
+    except LaunchFailedError as exc:
+        print(f"notebook-accel launch: {target} failed\n{exc}", file=sys.stderr)
+        return 1
+    except SystemExit as exc:  # one process runs here, in this process, and its script may exit
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)  # sys.exit("message") prints it, as Python does
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except KeyboardInterrupt:
+        print("notebook-accel launch: interrupted; every rank was stopped.", file=sys.stderr)
+        return 130
+    except Exception:  # one process: the script's own exception, as `python script.py` shows it
+        traceback.print_exc()
+        return 1
+    finally:
+        sink.close()
+    return 0

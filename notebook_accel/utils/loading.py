@@ -1,0 +1,405 @@
+"""Streaming a checkpoint into a model, one tensor at a time, following a device map.
+
+A checkpoint is one `.safetensors` / `.bin` / `.pt` file, an index json naming shards, or a folder
+holding either. Tensors are memory-mapped from the file and placed one by one, so loading never
+holds more than the model's own weights plus one tensor. Tensors mapped to "disk" go to the offload
+store; from a safetensors file they are recorded by reference and not copied at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .modeling import (
+    _as_dtype,
+    _converts,
+    _owner,
+    check_device_map,
+    device_for,
+    find_tied_parameters,
+    named_module_tensors,
+    retie_parameters,
+    set_module_tensor_to_device,
+)
+from .offload import (
+    OffloadedWeightsLoader,
+    offload_weight,
+    safetensors_reference,
+    save_offload_index,
+)
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_EXTENSIONS = (".safetensors", ".bin", ".pt", ".pth")
+_ALIASES_KEY = "notebook_accel.aliases"  # written by serialization.save_model for tied tensors
+# safetensors dtype codes -> torch dtypes (the codes torch can hold)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "C64": torch.complex64,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+    "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None), "U64": getattr(torch, "uint64", None),
+}  # fmt: skip
+
+
+class CheckpointReadError(ValueError):
+    """A checkpoint file could not be read (missing, truncated, corrupt or not a state dict)."""
+
+
+@dataclass
+class LoadReport:
+    """What `load_checkpoint_in_model` did: names it could not fill, names the model lacks, names offloaded."""
+
+    missing_keys: list = field(default_factory=list)
+    unexpected_keys: list = field(default_factory=list)
+    offloaded_keys: list = field(default_factory=list)
+
+
+# -- finding and opening the files ---------------------------------------------------------------
+
+
+def _files_from_index(index_path: str) -> list:
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointReadError(
+            f"Cannot read the checkpoint index {index_path}: {exc}. Expected json with a 'weight_map'."
+        ) from None
+    folder = os.path.dirname(os.path.abspath(index_path))
+    files = [os.path.join(folder, name) for name in dict.fromkeys(weight_map.values())]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise FileNotFoundError(
+            f"The checkpoint index {index_path} names shard files that do not exist: {missing}"
+        )
+    return files
+
+
+def checkpoint_files(checkpoint) -> list:
+    """The weight files of `checkpoint` (a weights file, an index json, or a folder holding either)."""
+    path = os.fspath(checkpoint)
+    if os.path.isfile(path):
+        if path.endswith(".json"):
+            return _files_from_index(path)
+        if path.endswith(_WEIGHT_EXTENSIONS):
+            return [path]
+        raise CheckpointReadError(
+            f"{path} is not a checkpoint: expected {', '.join(_WEIGHT_EXTENSIONS)} or an .index.json."
+        )
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
+    names = sorted(os.listdir(path))
+    indexes = [n for n in names if n.endswith(".index.json")]
+    if len(indexes) > 1:
+        # Both formats saved side by side: the safetensors one holds the same weights, read faster.
+        indexes = [n for n in indexes if n.endswith(".safetensors.index.json")] or indexes
+    if len(indexes) == 1:
+        return _files_from_index(os.path.join(path, indexes[0]))
+    if indexes:
+        raise CheckpointReadError(f"{path} holds several checkpoint indexes {indexes}; pass the one to load.")
+    weights = [n for n in names if n.endswith(_WEIGHT_EXTENSIONS)]
+    if len(weights) > 1:
+        weights = [n for n in weights if n.endswith(".safetensors")] or weights
+    if len(weights) == 1:
+        return [os.path.join(path, weights[0])]
+    found = (
+        f"several weight files {weights} but no index json"
+        if weights
+        else f"no weight files (found {names[:20]})"
+    )
+    raise CheckpointReadError(f"{path} is not a checkpoint folder: it has {found}.")
+
+
+class _WeightsFile:
+    """The tensors of one weights file, read one at a time: names, dtypes, and a reader per name."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.safetensors = path.endswith(".safetensors")
+        try:
+            if self.safetensors:
+                from safetensors import safe_open
+
+                self._handle = safe_open(path, framework="pt", device="cpu")
+                self.names = list(self._handle.keys())
+                aliases = json.loads((self._handle.metadata() or {}).get(_ALIASES_KEY, "{}"))
+                self.stored = {n: n for n in self.names}
+                self.stored.update({a: s for a, s in aliases.items() if s in self.stored})
+                self.names += [a for a in aliases if a in self.stored and a not in self.names]
+            else:
+                try:
+                    # mmap: tensors stay in the page cache until used, instead of all read at once.
+                    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                except RuntimeError as exc:
+                    if "mmap" not in str(exc):
+                        raise
+                    state = torch.load(path, map_location="cpu", weights_only=True)  # legacy format: no mmap
+                if not isinstance(state, dict) or not all(
+                    isinstance(v, torch.Tensor) for v in state.values()
+                ):
+                    raise CheckpointReadError(
+                        f"{path} does not hold a state dict (a dict of tensor names to tensors)."
+                    )
+                self._state = state
+                self.names = list(state)
+        except CheckpointReadError:
+            raise
+        except Exception as exc:
+            raise CheckpointReadError(
+                f"Cannot read checkpoint file {path}: {exc}. The file is truncated or corrupt; save or download it again."
+            ) from None
+
+    def dtype(self, name: str) -> Optional[torch.dtype]:
+        if not self.safetensors:
+            return self._state[name].dtype
+        return _SAFETENSORS_DTYPES.get(self._handle.get_slice(self.stored[name]).get_dtype())
+
+    def shape(self, name: str) -> list:
+        if not self.safetensors:
+            return list(self._state[name].shape)
+        return list(self._handle.get_slice(self.stored[name]).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        if not self.safetensors:
+            return self._state[name]
+        try:
+            return self._handle.get_tensor(self.stored[name])
+        except Exception as exc:
+            raise CheckpointReadError(
+                f"Cannot read {name!r} from checkpoint file {self.path}: {exc}"
+            ) from None
+
+    def close(self) -> None:
+        self._handle = self._state = None
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+def _in_modules(name: str, modules) -> bool:
+    parts = name.split(".")
+    return any(m in parts or name.startswith(m + ".") for m in modules)
+
+
+def load_checkpoint_in_model(
+    model: torch.nn.Module,
+    checkpoint,
+    device_map: Optional[dict] = None,
+    offload_folder=None,
+    dtype=None,
+    offload_state_dict: bool = False,
+    offload_buffers: bool = False,
+    keep_in_fp32_modules: Optional[list] = None,
+    offload_8bit_bnb: bool = False,
+    strict: bool = False,
+) -> LoadReport:
+    """Load `checkpoint` into `model` (which may be on the meta device), tensor by tensor.
+
+    Each tensor goes where `device_map` says (default: where the model's tensor already is, or the
+    CPU for meta tensors). Tensors mapped to "disk" are written to `offload_folder` (by reference
+    when the checkpoint is safetensors) and stay on meta in the model; buffers of disk modules are
+    loaded on the CPU unless `offload_buffers`. `dtype` casts floating tensors, except those of the
+    modules named in `keep_in_fp32_modules`. Tied parameters are re-tied afterwards. Missing and
+    unexpected keys are listed in the result and logged; with `strict` they raise before anything
+    is loaded. `offload_state_dict` is accepted for compatibility: loading already streams, so there
+    is nothing to stage on disk. `offload_8bit_bnb` is ignored (bitsandbytes is not supported).
+    """
+    del offload_state_dict, offload_8bit_bnb  # see the docstring
+    if device_map is not None:
+        check_device_map(model, device_map)
+        disk = [k for k, v in device_map.items() if v == "disk"]
+        if disk and offload_folder is None:
+            raise ValueError(
+                f"The device map sends {disk[:5]} to 'disk', but no offload_folder was given to hold them: "
+                f"pass offload_folder='some/folder'."
+            )
+    dtype = _as_dtype(dtype) if dtype is not None else None
+    keep_fp32 = list(keep_in_fp32_modules or [])
+    offload_folder = os.fspath(offload_folder) if offload_folder is not None else None
+    tied = find_tied_parameters(model)
+
+    current = dict(named_module_tensors(model, recurse=True))
+    expected = list(model.state_dict(keep_vars=True))
+    allowed = set(expected) | set(current)
+    buffers = {name for name, _ in model.named_buffers()}
+
+    files = [_WeightsFile(path) for path in checkpoint_files(checkpoint)]  # headers only: fails early
+    provided = {name for f in files for name in f.names}
+    unexpected = sorted(provided - allowed)
+    tie_partner = {name: group for group in tied for name in group}
+    missing = [
+        n for n in expected if n not in provided and not any(p in provided for p in tie_partner.get(n, ()))
+    ]
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"The checkpoint {os.fspath(checkpoint)} does not match {type(model).__name__}: missing keys {missing}, "
+            f"unexpected keys {unexpected}. Nothing was loaded; pass strict=False to load what matches."
+        )
+
+    def placement(name: str):
+        if device_map is not None:
+            try:
+                return device_for(name, device_map)
+            except KeyError:  # an unmapped non-persistent buffer: where it is now
+                pass
+        tensor = current.get(name)
+        if tensor is None:
+            tensor = model.state_dict(keep_vars=True).get(name)
+        return "cpu" if tensor is None or tensor.device.type == "meta" else tensor.device
+
+    index, offloaded, loaded = {}, [], set()
+    for weights in files:
+        for name in weights.names:
+            if name not in allowed:
+                continue
+            owner, local = _owner(model, name)
+            old = getattr(owner, local)
+            stored = weights.dtype(name)
+            if dtype is None:
+                final = old.dtype
+            elif stored is not None and _converts(stored):
+                final = torch.float32 if keep_fp32 and _in_modules(name, keep_fp32) else dtype
+            else:
+                final = stored
+            device = placement(name)
+            if device == "disk" and (offload_buffers or name not in buffers):
+                if weights.safetensors:
+                    index[name] = safetensors_reference(
+                        weights.path, weights.stored[name], final, weights.shape(name)
+                    )
+                else:
+                    offload_weight(weights.read(name).to(final), name, offload_folder, index=index)
+                offloaded.append(name)
+                loaded.add(name)
+                continue
+            if device == "disk":
+                device = "cpu"
+            if device == "meta":
+                set_module_tensor_to_device(model, name, "meta", dtype=final)
+                loaded.add(name)
+                continue
+            value = weights.read(name)
+            if value.dtype == final and str(device) == "cpu":
+                # The read tensor maps the file; a copy keeps the model independent of it.
+                value = value.clone()
+            set_module_tensor_to_device(
+                model, name, device, value=value, dtype=final if dtype is not None else None
+            )
+            loaded.add(name)
+            del value
+        weights.close()
+
+    _offload_tied(model, tied, device_map, loaded, index, offloaded, offload_folder)
+    retie_parameters(model, tied)
+    if index:
+        save_offload_index(index, offload_folder)
+    if missing or unexpected:
+        logger.warning(
+            "Loading %s into %s: missing keys %s, unexpected keys %s.",
+            os.fspath(checkpoint),
+            type(model).__name__,
+            missing,
+            unexpected,
+        )
+    return LoadReport(missing_keys=missing, unexpected_keys=unexpected, offloaded_keys=offloaded)
+
+
+def _offload_tied(model, tied, device_map, loaded, index, offloaded, offload_folder) -> None:
+    """Give a disk-mapped tied parameter that the checkpoint omitted the entry of its partner."""
+    if device_map is None or offload_folder is None:
+        return
+    for group in tied:
+        source = next((n for n in group if n in loaded), None)
+        if source is None:
+            continue
+        for name in group:
+            if name in loaded or device_for(name, device_map) != "disk":
+                continue
+            if source in index:
+                index[name] = dict(index[source])
+                if "safetensors_file" not in index[name]:
+                    # A disk entry is a file named after the weight: write it under this name too.
+                    from .offload import load_offloaded_weight
+
+                    weight = load_offloaded_weight(
+                        os.path.join(offload_folder, f"{source}.dat"), index[source]
+                    )
+                    offload_weight(weight, name, offload_folder, index=index)
+            else:
+                owner, local = _owner(model, source)
+                offload_weight(getattr(owner, local), name, offload_folder, index=index)
+            offloaded.append(name)
+            loaded.add(name)
+
+
+def load_state_dict(checkpoint_file, device_map: Optional[dict] = None) -> dict:
+    """The tensors of one weights file (or checkpoint), each on its device in `device_map`.
+
+    Tensors mapped to "disk" (or unmapped) stay on the CPU.
+    """
+    state = {}
+    for path in checkpoint_files(checkpoint_file):
+        weights = _WeightsFile(path)
+        for name in weights.names:
+            tensor = weights.read(name).clone()
+            if device_map is not None:
+                try:
+                    device = device_for(name, device_map)
+                except KeyError:
+                    device = "cpu"
+                if device not in ("cpu", "disk"):
+                    from .modeling import to_torch_device
+
+                    tensor = tensor.to(to_torch_device(device))
+            state[name] = tensor
+        weights.close()
+    return state
+
+
+def load_offloaded_weights(model: torch.nn.Module, index: dict, offload_folder: str) -> None:
+    """Load every weight of an offload folder's `index` into `model` on the CPU."""
+    if not index:
+        return
+    loader = OffloadedWeightsLoader(save_folder=offload_folder, index=index)
+    for name in index:
+        set_module_tensor_to_device(model, name, "cpu", value=loader[name].clone())
+
+
+def _hook_weights_map(module: torch.nn.Module):
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
+    for h in hooks:
+        weights = getattr(h, "weights_map", None)
+        if weights is not None:
+            return weights
+    return None
+
+
+def get_state_dict_offloaded_model(model: torch.nn.Module) -> dict:
+    """The full state dict of a model with offloaded modules, every tensor on the CPU.
+
+    Tensors left on the meta device by an offload hook are read from the hook's `weights_map`,
+    one module at a time.
+    """
+    state = {}
+    prefixes = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    for full_name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.device.type != "meta":
+            state[full_name] = tensor.detach().cpu()
+            continue
+        owner, local = _owner(model, full_name)
+        weights = _hook_weights_map(owner)
+        if weights is None or local not in weights:
+            raise ValueError(
+                f"{full_name!r} is on the meta device and its module ({prefixes.get(id(owner), '?')!r}) has no offload "
+                f"hook holding its weights; load the checkpoint first."
+            )
+        state[full_name] = weights[local].detach().cpu()
+    return state

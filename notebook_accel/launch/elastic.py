@@ -23,6 +23,7 @@ from . import events as ev
 from .errors import LaunchFailedError, failure_from_exit
 
 _HEADER = struct.Struct("!Q")
+_FORKSERVER_PRELOAD = ("torch", "torch.distributed", "cloudpickle", "notebook_accel.state", "notebook_accel.launch.worker")
 GO, STOP = b"g", b"s"
 
 
@@ -30,11 +31,17 @@ def launch_elastic(plan, function, args: tuple, sink) -> list:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    payload = None
-    if plan.start_method != "fork":
-        from .payload import dumps
+    from .payload import dumps
 
-        payload = dumps(function, args)
+    # The agent starts workers from its own thread while this thread reads their output: a fork
+    # then can copy a lock another thread holds (seen: a restarted rank stuck importing a module).
+    # Ranks come from a single-threaded forkserver instead, so the function travels pickled.
+    start_method = "forkserver" if plan.start_method == "fork" else plan.start_method
+    if start_method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(_FORKSERVER_PRELOAD))
+    payload = dumps(function, args)  # fails here, naming the object, before any process starts
     hub = _Hub(plan, sink)
     endpoint = plan.rdzv_endpoint or f"{plan.master_addr}:{plan.master_port}"
     conf = dict(plan.rdzv_conf)
@@ -53,11 +60,11 @@ def launch_elastic(plan, function, args: tuple, sink) -> list:
         rdzv_configs=conf,
         max_restarts=plan.max_restarts,
         monitor_interval=plan.monitor_interval,
-        start_method=plan.start_method,
+        start_method=start_method,
         log_line_prefix_template=plan.log_line_prefix_template,
         logs_specs=DefaultLogsSpecs(log_dir=hub.tmp),
     )
-    target = (function, args) if payload is None else payload
+    target = payload
     outcome = {}
 
     def agent():
@@ -66,7 +73,7 @@ def launch_elastic(plan, function, args: tuple, sink) -> list:
         except BaseException as exc:  # reported by the reading thread
             outcome["error"] = exc
 
-    sink.handle(ev.LaunchStarted(plan.num_processes, plan.start_method, plan.world_size, plan.node_rank))
+    sink.handle(ev.LaunchStarted(plan.num_processes, start_method, plan.world_size, plan.node_rank))
     started = time.monotonic()
     thread = threading.Thread(target=agent, name="notebook_accel-elastic-agent", daemon=True)
     thread.start()
@@ -125,11 +132,9 @@ def _entry(hub_path: str, env: dict, threads: int, target):
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
 
     def load():
-        if isinstance(target, bytes):
-            from .payload import loads
+        from .payload import loads
 
-            return loads(target)
-        return target
+        return loads(target)
 
     code = worker.run(rank, tuple(s.detach() for s in fds), env, threads, load)
     if code != 0:

@@ -37,6 +37,7 @@ $(BENCH_STAMP): pyproject.toml requirements-dev.txt
 bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python benchmarks/launch.py
 	$(BENCH_VENV)/bin/python benchmarks/step_overhead.py
+	$(BENCH_VENV)/bin/python benchmarks/offload.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) build dist *.egg-info

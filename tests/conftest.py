@@ -7,3 +7,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 # No test may read a developer's own launch config (~/.cache/notebook_accel): point at a missing file.
 # Tests that need a config set NOTEBOOK_ACCEL_CONFIG_FILE themselves.
 os.environ["NOTEBOOK_ACCEL_CONFIG_FILE"] = os.path.join(os.path.dirname(__file__), "no-such-config.yaml")
+
+import pytest  # noqa: E402
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    """Every test starts and ends with no resolved state and no launcher variables in the environment."""
+    from notebook_accel.state import AcceleratorState, GradientState
+
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

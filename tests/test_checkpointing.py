@@ -27,22 +27,11 @@ from notebook_accel.checkpointing import (
     save_accelerator_state,
     save_model,
 )
-from notebook_accel.state import AcceleratorState, GradientState, PartialState
+from notebook_accel.state import PartialState
 from notebook_accel.utils.dataclasses import ProjectConfiguration
 
 TIMEOUT = 60
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(autouse=True)
-def clean_state(monkeypatch):
-    for name in LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 class Counter:

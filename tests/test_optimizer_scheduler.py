@@ -11,23 +11,8 @@ from mp import run_ranks
 
 from notebook_accel.optimizer import AcceleratedOptimizer
 from notebook_accel.scheduler import AcceleratedScheduler
-from notebook_accel.state import AcceleratorState, GradientState, PartialState
+from notebook_accel.state import GradientState, PartialState
 from notebook_accel.utils.dataclasses import GradientAccumulationPlugin
-
-
-@pytest.fixture(autouse=True)
-def fresh_state(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-
-    def reset():
-        GradientState._reset_state()
-        AcceleratorState._reset_state(reset_partial_state=True)
-        PartialState._reset_state()
-
-    reset()
-    yield
-    reset()
 
 
 def _model_and_grads(seed=0):

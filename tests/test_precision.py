@@ -22,25 +22,9 @@ from notebook_accel.precision import (
     restore_forward,
 )
 from notebook_accel.scheduler import AcceleratedScheduler
-from notebook_accel.state import AcceleratorState, GradientState, PartialState
 from notebook_accel.utils.dataclasses import AutocastKwargs, GradScalerKwargs
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def fresh_state(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-
-    def reset():
-        GradientState._reset_state()
-        AcceleratorState._reset_state(reset_partial_state=True)
-        PartialState._reset_state()
-
-    reset()
-    yield
-    reset()
 
 
 class TwoLayer(torch.nn.Module):

@@ -13,7 +13,7 @@ import torch
 from mp import run_ranks
 
 from notebook_accel.logging import get_logger
-from notebook_accel.state import AcceleratorState, GradientState, PartialState
+from notebook_accel.state import PartialState
 from notebook_accel.tracking import (
     GeneralTracker,
     JSONLTracker,
@@ -25,17 +25,6 @@ from notebook_accel.tracking import (
 
 TIMEOUT = 60
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(autouse=True)
-def clean_state(monkeypatch):
-    for name in LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def _lines(path):

@@ -87,16 +87,24 @@ class Monitor:
             self._signal_all(signal.SIGKILL)
             self.killed = True
 
-    def _read_output(self, r: _Rank, sock, stream: str) -> None:
+    def _recv(self, r: _Rank, sock, size: int) -> Optional[bytes]:
+        """Bytes read; b"" at end of stream (the channel is then closed); None when nothing is ready."""
         try:
-            data = sock.recv(1 << 16)
+            data = sock.recv(size)
         except (BlockingIOError, InterruptedError):
-            return
+            return None
         except ConnectionError:
             data = b""
         if not data:
             self.sel.unregister(sock)
             r.open -= 1
+        return data
+
+    def _read_output(self, r: _Rank, sock, stream: str) -> None:
+        data = self._recv(r, sock, 1 << 16)
+        if data is None:
+            return
+        if not data:
             if r.partial[stream]:
                 self._emit_line(r, stream, r.partial[stream])
                 r.partial[stream] = b""
@@ -111,15 +119,8 @@ class Monitor:
         self.sink.handle(ev.RankOutput(r.rank, stream, text))
 
     def _read_ctrl(self, r: _Rank, sock) -> None:
-        try:
-            data = sock.recv(1 << 20)
-        except (BlockingIOError, InterruptedError):
-            return
-        except ConnectionError:
-            data = b""
+        data = self._recv(r, sock, 1 << 20)
         if not data:
-            self.sel.unregister(sock)
-            r.open -= 1
             return
         r.ctrl_buf += data
         while len(r.ctrl_buf) >= _HEADER.size:

@@ -37,9 +37,12 @@ def _kernel_manager_class():
     return ThisPythonKernelManager
 
 
-def run_notebook(path: str, timeout: int = CELL_TIMEOUT_S):
+def run_notebook(path: str, timeout: int = CELL_TIMEOUT_S, widgets: bool = False):
     """Execute the notebook at `path` (cwd: its folder). Returns (notebook, error or None);
-    on a failing cell the notebook holds the outputs up to and including that cell."""
+    on a failing cell the notebook holds the outputs up to and including that cell.
+
+    `widgets=False` makes launches print rank-prefixed text (what a terminal can show) instead
+    of drawing the live panel, whose content would only be in the saved widget state."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -54,8 +57,9 @@ def run_notebook(path: str, timeout: int = CELL_TIMEOUT_S):
         extra_arguments=["--IPKernelApp.log_level=ERROR"],
         resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}},
     )
+    env = {**os.environ, "NOTEBOOK_ACCEL_WIDGETS": "1" if widgets else "0"}
     try:
-        client.execute()
+        client.execute(env=env)
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:
         return nb, exc
     return nb, None

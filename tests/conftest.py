@@ -8,7 +8,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Tests that need a config set NOTEBOOK_ACCEL_CONFIG_FILE themselves.
 os.environ["NOTEBOOK_ACCEL_CONFIG_FILE"] = os.path.join(os.path.dirname(__file__), "no-such-config.yaml")
 
+import time  # noqa: E402
+
 import pytest  # noqa: E402
+from orphans import children, long_lived_helpers  # noqa: E402
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -25,3 +28,20 @@ def fresh_state(monkeypatch):
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture
+def no_orphans():
+    """Yields a check that every process started since the test began has gone (after reaping)."""
+    before = set(children())
+
+    def check(wait_s: float = 5.0) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = {pid: cmd for pid, cmd in children().items() if pid not in before | long_lived_helpers()}
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert not left, f"processes survived the launch: {left}"
+
+    return check

@@ -146,3 +146,13 @@ def put_in_queue(queue, items: int, size: int) -> int:
     for i in range(items):
         queue.put((rank, i, "q" * size))
     return rank
+
+
+def progress_bar(steps: int) -> int:
+    """Redraw one line with '\\r' as tqdm does off a terminal, then end it with a newline."""
+    for i in range(steps + 1):
+        sys.stderr.write(f"\rstep: {100 * i // steps:3d}%| {i}/{steps}")
+        sys.stderr.flush()
+    sys.stderr.write("\n")
+    print("after the bar")
+    return steps

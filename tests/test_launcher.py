@@ -17,9 +17,9 @@ import threading
 import time
 
 import launch_targets as targets
-import psutil
 import pytest
 import torch
+from orphans import children, long_lived_helpers
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from notebook_accel.launch import (
@@ -44,24 +44,6 @@ SLOW_RANK_S = 20.0  # a rank that is not stopped sleeps this long, then leaves i
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _children() -> dict:
-    found = {}
-    for p in psutil.Process().children(recursive=True):
-        try:
-            found[p.pid] = " ".join(p.cmdline()) or p.name()
-        except psutil.Error:
-            found[p.pid] = "?"
-    return found
-
-
-def _long_lived_helpers() -> set:
-    # The warm forkserver stays up between launches by design; its ranks must not.
-    from notebook_accel.launch.warm import WarmServer
-
-    server = WarmServer._instance
-    return {server.proc.pid} if server is not None and server.proc.poll() is None else set()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _stop_the_warm_server_afterwards():
     # Later test modules count the test process's children; leave them none of ours.
@@ -69,23 +51,6 @@ def _stop_the_warm_server_afterwards():
     from notebook_accel.launch.warm import WarmServer
 
     WarmServer.shutdown()
-
-
-@pytest.fixture
-def no_orphans():
-    """Yields a check that every process started since the test began has gone (after reaping)."""
-    before = set(_children())
-
-    def check(wait_s: float = 5.0) -> None:
-        deadline = time.monotonic() + wait_s
-        while True:
-            left = {pid: cmd for pid, cmd in _children().items() if pid not in before | _long_lived_helpers()}
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert not left, f"processes survived the launch: {left}"
-
-    return check
 
 
 def launch(function, args=(), *, num_processes=2, sink=None, **kwargs):
@@ -261,14 +226,14 @@ def test_fork_passes_a_fork_context_queue_by_inheritance(no_orphans):
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_unpicklable_argument_fails_before_any_process_starts(start_method, no_orphans):
     sink = ListSink()
-    before = set(_children())
+    before = set(children())
     with pytest.raises(UnpicklableError) as info:
         launch(targets.rank_info, (42, threading.Lock()), sink=sink, start_method=start_method)
     message = str(info.value)
     assert "argument 1 (lock" in message and "argument 0" not in message
     assert isinstance(info.value, LaunchConfigError)
     assert sink.events == []  # not even LaunchStarted
-    assert set(_children()) <= before | _long_lived_helpers()
+    assert set(children()) <= before | long_lived_helpers()
     no_orphans(wait_s=0)
 
 

@@ -16,12 +16,24 @@ from notebook_accel.launch.plan import free_port, make_plan
 HERE = os.path.dirname(__file__)
 
 
+def _mp_helpers() -> set:
+    # The first elastic launch starts multiprocessing's forkserver (and its resource tracker);
+    # both stay up for later launches by design.
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+    }
+    return {p for p in pids if p}
+
+
 @pytest.fixture
 def no_new_children():
     """Fails the test if a process it started outlives it (older helpers, e.g. forkservers, are fine)."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
-    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before | _mp_helpers()]
     psutil.wait_procs(new, timeout=5)
     alive = [p for p in new if p.is_running() and p.status() != "zombie"]
     assert not alive, f"processes left behind: {alive}"
@@ -40,7 +52,9 @@ def test_two_nodes_on_localhost_meet_and_sum():
     script = os.path.join(HERE, "elastic_targets.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
     nodes = [
-        subprocess.Popen([sys.executable, script, str(i), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        subprocess.Popen(
+            [sys.executable, script, str(i), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
         for i in (0, 1)
     ]
     outputs = []
@@ -67,7 +81,9 @@ def test_two_nodes_on_localhost_meet_and_sum():
 @pytest.mark.timeout(90)
 def test_restart_after_a_failure_returns_the_second_attempt(tmp_path, no_new_children):
     sink = ListSink()
-    results = notebook_launcher(fail_once, (str(tmp_path),), num_processes=2, max_restarts=1, use_port="auto", sinks=[sink])
+    results = notebook_launcher(
+        fail_once, (str(tmp_path),), num_processes=2, max_restarts=1, use_port="auto", sinks=[sink]
+    )
     assert (tmp_path / "failed-once").exists()
     assert results == [(0, 1), (1, 1)]
 
@@ -75,7 +91,9 @@ def test_restart_after_a_failure_returns_the_second_attempt(tmp_path, no_new_chi
 @pytest.mark.timeout(90)
 def test_elastic_failure_without_restarts_names_rank_and_source(no_new_children):
     with pytest.raises(LaunchFailedError) as info:
-        notebook_launcher(always_fail, num_processes=2, max_restarts=0, rdzv_backend="c10d", use_port="auto", sinks=[])
+        notebook_launcher(
+            always_fail, num_processes=2, max_restarts=0, rdzv_backend="c10d", use_port="auto", sinks=[]
+        )
     text = str(info.value)
     assert "rank 0 raised KeyError" in text
     assert 'raise KeyError("no such key on rank 0")' in text
@@ -88,3 +106,25 @@ def test_elastic_output_is_captured_per_rank():
     assert [r[0] for r in results] == [0, 1]
     lines = {e.rank: e.text for e in sink.events if isinstance(e, RankOutput)}
     assert lines == {0: "rank 0 of 2 on local rank 0", 1: "rank 1 of 2 on local rank 1"}
+
+
+@pytest.mark.timeout(90)
+def test_elastic_timeout_stops_the_workers_and_raises(tmp_path, no_new_children):
+    from launch_targets import sleep_then_touch
+
+    from notebook_accel.launch import LaunchTimeoutError, RankStopped
+
+    sink = ListSink()
+    marker = str(tmp_path / "finished")
+    with pytest.raises(LaunchTimeoutError, match="timed out after 4 s"):
+        notebook_launcher(
+            sleep_then_touch,
+            (marker, 30.0),
+            num_processes=2,
+            max_restarts=1,
+            use_port="auto",
+            sinks=[sink],
+            timeout=4,
+        )
+    assert sorted(e.rank for e in sink.events if isinstance(e, RankStopped)) == [0, 1]
+    assert not any(os.path.exists(f"{marker}.{r}") for r in (0, 1))

@@ -1,6 +1,13 @@
 """Launch a function on N processes: plan -> start -> worker -> events -> sinks."""
 
-from .errors import LaunchConfigError, LaunchFailedError, UnpicklableError
+from .control import LaunchControl
+from .errors import (
+    LaunchConfigError,
+    LaunchFailedError,
+    LaunchStoppedError,
+    LaunchTimeoutError,
+    UnpicklableError,
+)
 from .events import (
     LaunchFinished,
     LaunchStarted,
@@ -15,7 +22,7 @@ from .plan import LaunchPlan, make_plan
 from .sinks import ConsoleSink, ListSink, Sink
 
 __all__ = [
-    "ConsoleSink", "LaunchConfigError", "LaunchFailedError", "LaunchFinished", "LaunchPlan", "LaunchStarted",
+    "ConsoleSink", "LaunchConfigError", "LaunchControl", "LaunchStoppedError", "LaunchTimeoutError", "LaunchFailedError", "LaunchFinished", "LaunchPlan", "LaunchStarted",
     "ListSink", "RankFailed", "RankFinished", "RankOutput", "RankStarted", "RankStopped", "Sink",
     "UnpicklableError", "debug_launcher", "make_plan", "notebook_launcher",
 ]  # fmt: skip

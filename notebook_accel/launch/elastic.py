@@ -20,14 +20,21 @@ import threading
 import time
 
 from . import events as ev
-from .errors import LaunchFailedError, failure_from_exit
+from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, failure_from_exit
+from .lines import LineSplitter
 
 _HEADER = struct.Struct("!Q")
-_FORKSERVER_PRELOAD = ("torch", "torch.distributed", "cloudpickle", "notebook_accel.state", "notebook_accel.launch.worker")
+_FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "cloudpickle",
+    "notebook_accel.state",
+    "notebook_accel.launch.worker",
+)
 GO, STOP = b"g", b"s"
 
 
-def launch_elastic(plan, function, args: tuple, sink) -> list:
+def launch_elastic(plan, function, args: tuple, sink, control) -> list:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -69,20 +76,28 @@ def launch_elastic(plan, function, args: tuple, sink) -> list:
 
     def agent():
         try:
-            outcome["value"] = elastic_launch(config, _entry)(hub.path, plan.env, plan.threads_per_process, target)
+            outcome["value"] = elastic_launch(config, _entry)(
+                hub.path, plan.env, plan.threads_per_process, target
+            )
         except BaseException as exc:  # reported by the reading thread
             outcome["error"] = exc
 
     sink.handle(ev.LaunchStarted(plan.num_processes, start_method, plan.world_size, plan.node_rank))
     started = time.monotonic()
     thread = threading.Thread(target=agent, name="notebook_accel-elastic-agent", daemon=True)
+    control.start()
     thread.start()
     try:
         with _quiet_torch_loggers():
-            hub.serve_until(thread)
-    except BaseException:
+            hub.serve_until(thread, control)
+    except BaseException as exc:
         hub.stop_everything(thread)
-        sink.handle(ev.LaunchFinished(False, time.monotonic() - started))
+        reason = exc.reason if isinstance(exc, LaunchStoppedError) else ""
+        if reason:
+            for rank in sorted(set(hub.ranks.values())):
+                if hub.outcome_kind(rank) is None:
+                    sink.handle(ev.RankStopped(rank, reason))
+        sink.handle(ev.LaunchFinished(False, time.monotonic() - started, stopped=reason))
         raise
     finally:
         hub.close()
@@ -129,7 +144,11 @@ def _entry(hub_path: str, env: dict, threads: int, target):
         fds.append(sock)
     if fds[2].recv(1) != GO:
         os._exit(1)  # the launch is being stopped: do not start
-    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in env.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
 
     def load():
         from .payload import loads
@@ -148,6 +167,7 @@ class _Conn:
         self.head = b""
         self.key = None  # (local_rank, attempt, channel, rank) once the header line has arrived
         self.buf = b""
+        self.lines = LineSplitter()
 
 
 class _Hub:
@@ -170,14 +190,17 @@ class _Hub:
         self.ranks: dict = {}  # local_rank -> global rank of its latest attempt
         self.outcomes: dict = {}  # local_rank -> (attempt, "result"/"error", value)
 
-    def serve_until(self, thread: threading.Thread) -> None:
+    def serve_until(self, thread: threading.Thread, control) -> None:
         drained_at = None
         while True:
-            for key, _ in self.sel.select(timeout=0.05):
+            for key, _ in self.sel.select(timeout=control.wait_limit(time.monotonic(), 0.05)):
                 if key.data is None:
                     self._accept()
                 else:
                     self._read(key.data)
+            reason = control.check(time.monotonic())
+            if reason and thread.is_alive():
+                raise (LaunchTimeoutError if control.timed_out else LaunchStoppedError)(reason)
             if not thread.is_alive():
                 drained_at = drained_at or time.monotonic()
                 if self.open == 0 or time.monotonic() - drained_at > 2.0:
@@ -221,16 +244,16 @@ class _Hub:
             self.sel.unregister(conn.sock)
             conn.sock.close()
             self.open -= 1
-            if channel != "ctrl" and conn.buf:
-                self.sink.handle(ev.RankOutput(rank, channel, conn.buf.decode("utf-8", "replace")))
+            if channel != "ctrl":
+                for text, transient in conn.lines.finish():
+                    self.sink.handle(ev.RankOutput(rank, channel, text, transient))
             return
-        conn.buf += data
         if channel == "ctrl":
+            conn.buf += data
             self._messages(conn, local_rank, attempt, rank)
             return
-        *lines, conn.buf = conn.buf.split(b"\n")
-        for line in lines:
-            self.sink.handle(ev.RankOutput(rank, channel, line.decode("utf-8", "replace").rstrip("\r")))
+        for text, transient in conn.lines.feed(data):
+            self.sink.handle(ev.RankOutput(rank, channel, text, transient))
 
     def _messages(self, conn: _Conn, local_rank: int, attempt: int, rank: int) -> None:
         while len(conn.buf) >= _HEADER.size:
@@ -250,6 +273,13 @@ class _Hub:
                 else:
                     pid = self.pids.get((local_rank, attempt))
                     self.sink.handle(ev.RankFailed(rank, pid, 1, **rest[0]))
+
+    def outcome_kind(self, rank: int):
+        """The latest outcome ("result" or "error") of global `rank`, None while it runs."""
+        for local_rank, (_, kind, _) in self.outcomes.items():
+            if self.ranks.get(local_rank) == rank:
+                return kind
+        return None
 
     def final_failures(self) -> list:
         reports = []

@@ -36,6 +36,22 @@ class LaunchFailedError(ChildFailedError):
         return self.args[0]
 
 
+class LaunchStoppedError(RuntimeError):
+    """The launch was ended from outside (Stop button, `timeout`); every rank was stopped."""
+
+    def __init__(self, reason: str, reports: list = ()):
+        self.reason = reason
+        self.reports = {r.rank: r for r in reports}
+        text = f"launch stopped: {reason}; every rank was stopped"
+        if reports:
+            text += "\n" + format_failures(list(reports))
+        super().__init__(text)
+
+
+class LaunchTimeoutError(LaunchStoppedError, TimeoutError):
+    """The launch ran past its `timeout`."""
+
+
 def format_failures(reports: list) -> str:
     """The first failure in full (type, message, traceback with source lines), others in one line."""
     if not reports:

@@ -25,11 +25,16 @@ class RankStarted:
 
 @dataclass(frozen=True)
 class RankOutput:
-    """One line of a rank's fd 1 ("stdout") or fd 2 ("stderr"), without its newline."""
+    """One line of a rank's fd 1 ("stdout") or fd 2 ("stderr"), without its newline.
+
+    `transient` marks text ended by a bare carriage return (a progress bar redrawing itself): the
+    next line from the same rank and stream replaces it.
+    """
 
     rank: int
     stream: str
     text: str
+    transient: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,9 @@ class RankStopped:
 
 @dataclass(frozen=True)
 class LaunchFinished:
+    """`stopped` says why a launch was ended from outside (Stop button, timeout, interrupt)."""
+
     ok: bool
     seconds: float
     failed_ranks: tuple = field(default_factory=tuple)
+    stopped: str = ""

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from typing import Optional
 
 from . import events as ev
+from .control import LaunchControl
+from .errors import LaunchConfigError, LaunchStoppedError, LaunchTimeoutError
 from .plan import LaunchPlan, default, make_plan
 from .sinks import ConsoleSink, Fanout
 
@@ -33,16 +35,21 @@ def notebook_launcher(
     *,
     cpu: Optional[bool] = None,
     sinks=None,
+    timeout: Optional[float] = None,
 ) -> list:
     """Run `function(*args)` on `num_processes` processes; return each local rank's return value.
 
     A rank that raises makes this raise `LaunchFailedError` (a torch `ChildFailedError`) with that
-    rank's traceback; the other ranks are stopped. `sinks` replace the console sink (see sinks.py).
+    rank's traceback; the other ranks are stopped. `timeout` (seconds) stops every rank and raises
+    `LaunchTimeoutError` when the run takes longer. `sinks` replace the default sink: the live panel
+    in a notebook kernel with widgets, else rank-prefixed text on the console (see sinks.py).
     Arguments left out come from the config file (`notebook-accel config`) when there is one, else
     take the defaults shown; `cpu=None` means the config's `use_cpu`, else False.
     """
     if not callable(function):
-        raise TypeError(f"notebook_launcher needs a function to run, got {type(function).__name__}: {function!r}")
+        raise TypeError(
+            f"notebook_launcher needs a function to run, got {type(function).__name__}: {function!r}"
+        )
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple of arguments, got {type(args).__name__}; write args=(value,).")
     plan = make_plan(
@@ -52,13 +59,28 @@ def notebook_launcher(
         monitor_interval=monitor_interval, log_line_prefix_template=log_line_prefix_template,
         start_method=start_method, cpu=cpu,
     )  # fmt: skip
+    control = LaunchControl(timeout)
     for note in plan.notes:
         print(note, file=sys.stderr)
-    sink = Fanout(sinks if sinks is not None else [ConsoleSink()])
+    sink = Fanout(sinks if sinks is not None else default_sinks())
     try:
-        return run_plan(plan, function, tuple(args), sink)
+        sink.attach(control)
+        return run_plan(plan, function, tuple(args), sink, control)
     finally:
         sink.close()
+        control.close()
+
+
+def default_sinks() -> list:
+    """The live launch panel in a kernel with widgets (unless NOTEBOOK_ACCEL_WIDGETS=0), else text."""
+    if "ipykernel" in sys.modules:  # cheap test first: never import IPython outside a kernel
+        from ..jupyter import widgets_enabled
+
+        if widgets_enabled():
+            from ..jupyter.panel import LaunchPanel
+
+            return [LaunchPanel()]
+    return [ConsoleSink()]
 
 
 def debug_launcher(function, args=(), num_processes: int = 2) -> list:
@@ -70,27 +92,57 @@ def debug_launcher(function, args=(), num_processes: int = 2) -> list:
     )  # fmt: skip
 
 
-def run_plan(plan: LaunchPlan, function, args: tuple, sink) -> list:
+def run_plan(plan: LaunchPlan, function, args: tuple, sink, control: Optional[LaunchControl] = None) -> list:
+    control = control or LaunchControl()
     if plan.engine == "xla":
         from .xla import launch_xla
 
+        if control.timeout is not None:
+            raise LaunchConfigError(
+                "timeout is not supported on TPU (xmp.spawn has no way to stop its processes)"
+            )
         return launch_xla(plan, function, args)
     if plan.engine == "elastic":
         from .elastic import launch_elastic
 
-        return launch_elastic(plan, function, args, sink)
+        return launch_elastic(plan, function, args, sink, control)
     if plan.num_processes == 1 and plan.num_nodes == 1:
-        return _run_here(plan, function, args)
-    return _launch_local(plan, function, args, sink)
+        return _run_here(plan, function, args, control)
+    return _launch_local(plan, function, args, sink, control)
 
 
-def _run_here(plan: LaunchPlan, function, args: tuple) -> list:
+def _run_here(plan: LaunchPlan, function, args: tuple, control: LaunchControl) -> list:
     """One process: run in the caller (accelerate does too), with the plan's settings visible."""
     from ..utils.environment import DEBUG_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
 
     keep = {k: plan.env[k] for k in (MIXED_PRECISION_ENV, USE_CPU_ENV, DEBUG_ENV) if k in plan.env}
-    with _patched_environ(keep):
+    with _patched_environ(keep), _alarm(control):
         return [function(*args)]
+
+
+@contextmanager
+def _alarm(control: LaunchControl):
+    """A timeout for a function run in this process: SIGALRM raises in the main thread."""
+    if control.timeout is None:
+        yield
+        return
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        raise LaunchConfigError("timeout with one process needs the main thread; use num_processes >= 2")
+
+    def expire(signum, frame):
+        control.timed_out = True
+        raise LaunchTimeoutError(f"timed out after {control.timeout:g} s (timeout={control.timeout:g})")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, control.timeout)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @contextmanager
@@ -107,7 +159,7 @@ def _patched_environ(values: dict):
                 os.environ[k] = v
 
 
-def _launch_local(plan: LaunchPlan, function, args: tuple, sink) -> list:
+def _launch_local(plan: LaunchPlan, function, args: tuple, sink, control: LaunchControl) -> list:
     from . import procs
     from .monitor import Monitor
 
@@ -133,14 +185,17 @@ def _launch_local(plan: LaunchPlan, function, args: tuple, sink) -> list:
             env = plan.rank_env(local_rank)
             rank = int(env["RANK"])
             if plan.start_method == "fork":
-                handles.append(procs.start_fork(local_rank, rank, env, plan.threads_per_process, function, args))
+                handles.append(
+                    procs.start_fork(local_rank, rank, env, plan.threads_per_process, function, args)
+                )
             elif plan.start_method == "spawn":
                 handles.append(procs.start_spawn(local_rank, rank, env, plan.threads_per_process, payload))
             else:
                 requests.append((local_rank, rank, env, plan.threads_per_process, payload))
         if requests:
             handles.extend(warm.start_ranks(requests))
-        monitor = Monitor(handles, plan, sink, warm=warm)
+        control.start()
+        monitor = Monitor(handles, plan, sink, warm=warm, control=control)
         results = monitor.run()
     except BaseException as exc:
         # KeyboardInterrupt, a failure while starting, or a rank failure: leave no process behind.
@@ -150,10 +205,16 @@ def _launch_local(plan: LaunchPlan, function, args: tuple, sink) -> list:
             monitor.kill_now()
             for h in handles:
                 h.close()
-        sink.handle(ev.LaunchFinished(False, time.monotonic() - started, _failed(exc)))
+        sink.handle(ev.LaunchFinished(False, time.monotonic() - started, _failed(exc), _stopped(exc)))
         raise
     sink.handle(ev.LaunchFinished(True, time.monotonic() - started))
     return results
+
+
+def _stopped(exc: BaseException) -> str:
+    if isinstance(exc, LaunchStoppedError):
+        return exc.reason
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else ""
 
 
 def _failed(exc: BaseException) -> tuple:

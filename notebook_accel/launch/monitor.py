@@ -11,7 +11,8 @@ import time
 from typing import Optional
 
 from . import events as ev
-from .errors import LaunchFailedError, failure_from_exit
+from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, failure_from_exit
+from .lines import LineSplitter
 
 _HEADER = struct.Struct("!Q")
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
@@ -22,7 +23,7 @@ class _Rank:
     def __init__(self, proc, rank: int):
         self.proc = proc
         self.rank = rank
-        self.partial = {"stdout": b"", "stderr": b""}
+        self.lines = {"stdout": LineSplitter(), "stderr": LineSplitter()}
         self.ctrl_buf = b""
         self.open = 3
         self.result: Optional[bytes] = None
@@ -33,10 +34,12 @@ class _Rank:
 
 
 class Monitor:
-    def __init__(self, procs: list, plan, sink, warm=None):
+    def __init__(self, procs: list, plan, sink, warm=None, control=None):
         self.plan = plan
         self.sink = sink
         self.warm = warm
+        self.control = control
+        self.stopped = ""  # why the launch was ended from outside, if it was
         self.ranks = [_Rank(p, plan.node_rank * plan.num_processes + p.local_rank) for p in procs]
         self.sel = selectors.DefaultSelector()
         self.failures: list = []
@@ -50,6 +53,8 @@ class Monitor:
                 self.sel.register(r.proc.exit_fd, selectors.EVENT_READ, (r, "exit"))
         if warm is not None:
             self.sel.register(warm.sock, selectors.EVENT_READ, (None, "warm"))
+        if control is not None:
+            self.sel.register(control.fileno(), selectors.EVENT_READ, (None, "control"))
 
     # -- main loop ----------------------------------------------------------------------------
     def run(self) -> list:
@@ -60,17 +65,28 @@ class Monitor:
             self.sel.close()
             for r in self.ranks:
                 r.proc.close()
+        if self.stopped and not self.failures:
+            kind = LaunchTimeoutError if self.control.timed_out else LaunchStoppedError
+            raise kind(self.stopped)
         if self.failures:
             # A transport error on a rank whose peer died is a symptom; put root causes first.
-            ordered = sorted(self.failures, key=lambda f: _is_peer_fallout({"exc_type": f.exc_type or "", "message": f.message}))
+            ordered = sorted(
+                self.failures,
+                key=lambda f: _is_peer_fallout({"exc_type": f.exc_type or "", "message": f.message}),
+            )
             raise LaunchFailedError(ordered)
         return [pickle.loads(r.result) for r in self.ranks]
 
     def _step(self) -> None:
         needs_polling = any(r.proc.exit_fd is None and not r.done for r in self.ranks)
-        for key, _ in self.sel.select(timeout=0.05 if needs_polling or self.stop_sent_at else 1.0):
+        wait = 0.05 if needs_polling or self.stop_sent_at else 1.0
+        if self.control is not None:
+            wait = self.control.wait_limit(time.monotonic(), wait)
+        for key, _ in self.sel.select(timeout=wait):
             r, kind = key.data
-            if kind == "warm":
+            if kind == "control":
+                self.control.drain()
+            elif kind == "warm":
                 self.warm.pump()
             elif kind == "exit":
                 self.sel.unregister(key.fileobj)
@@ -80,6 +96,9 @@ class Monitor:
             else:
                 self._read_output(r, key.fileobj, kind)
         now = time.monotonic()
+        if self.control is not None and not self.stopped and self.control.check(now):
+            self.stopped = self.control.reason
+            self.stop(self.stopped)
         for r in self.ranks:
             if not r.done:
                 self._maybe_finish(r, now)
@@ -104,19 +123,12 @@ class Monitor:
         data = self._recv(r, sock, 1 << 16)
         if data is None:
             return
-        if not data:
-            if r.partial[stream]:
-                self._emit_line(r, stream, r.partial[stream])
-                r.partial[stream] = b""
-            return
-        buf = r.partial[stream] + data
-        *lines, r.partial[stream] = buf.split(b"\n")
-        for line in lines:
-            self._emit_line(r, stream, line)
+        segments = r.lines[stream].feed(data) if data else r.lines[stream].finish()
+        self._emit(r, stream, segments)
 
-    def _emit_line(self, r: _Rank, stream: str, raw: bytes) -> None:
-        text = raw.decode("utf-8", errors="replace").rstrip("\r")
-        self.sink.handle(ev.RankOutput(r.rank, stream, text))
+    def _emit(self, r: _Rank, stream: str, segments: list) -> None:
+        for text, transient in segments:
+            self.sink.handle(ev.RankOutput(r.rank, stream, text, transient))
 
     def _read_ctrl(self, r: _Rank, sock) -> None:
         data = self._recv(r, sock, 1 << 20)
@@ -156,11 +168,13 @@ class Monitor:
             except (KeyError, ValueError):
                 pass
         for stream in ("stdout", "stderr"):
-            if r.partial[stream]:
-                self._emit_line(r, stream, r.partial[stream])
-                r.partial[stream] = b""
+            self._emit(r, stream, r.lines[stream].finish())
         if r.result is not None and code == 0:
             self.sink.handle(ev.RankFinished(r.rank, now - r.started))
+            return
+        if self.stopped:
+            # Ended from outside: whatever the rank said while dying is not its failure.
+            self.sink.handle(ev.RankStopped(r.rank, self.stopped))
             return
         if self.stop_sent_at is not None and r.error is None:
             self.sink.handle(ev.RankStopped(r.rank, "stopped after another rank failed"))
@@ -203,4 +217,6 @@ class Monitor:
 def _is_peer_fallout(error: dict) -> bool:
     # Ranks blocked in a collective with a rank that died fail with transport errors: not a root cause.
     text = f"{error.get('exc_type', '')} {error.get('message', '')}"
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "DistBackendError"))
+    return any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "DistBackendError")
+    )

@@ -12,6 +12,9 @@ class Sink:
     def handle(self, event) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def attach(self, control) -> None:
+        """Called before ranks start; `control.request_stop(reason)` ends the launch (any thread)."""
+
     def close(self) -> None:
         pass
 
@@ -24,6 +27,8 @@ class ConsoleSink(Sink):
 
     def handle(self, event) -> None:
         if isinstance(event, ev.RankOutput):
+            if event.transient:
+                return  # a progress bar's redraws; its final state arrives as a whole line
             stream = sys.stderr if event.stream == "stderr" else sys.stdout
             stream.write(f"[rank {event.rank}] {event.text}\n")
         elif isinstance(event, ev.RankFailed):
@@ -49,7 +54,12 @@ class ListSink(Sink):
         self.events.append(event)
 
     def lines(self, rank: int, stream: str = "stdout") -> list:
-        return [e.text for e in self.events if isinstance(e, ev.RankOutput) and e.rank == rank and e.stream == stream]
+        """Complete lines only: a progress bar's transient redraws are left out."""
+        return [
+            e.text
+            for e in self.events
+            if isinstance(e, ev.RankOutput) and e.rank == rank and e.stream == stream and not e.transient
+        ]
 
 
 class Fanout(Sink):
@@ -64,6 +74,10 @@ class Fanout(Sink):
                 sink.handle(event)
             except Exception as exc:  # a display bug must never kill training
                 sys.__stderr__.write(f"notebook_accel: sink {type(sink).__name__} failed: {exc!r}\n")
+
+    def attach(self, control) -> None:
+        for sink in self.sinks:
+            sink.attach(control)
 
     def close(self) -> None:
         for sink in self.sinks:

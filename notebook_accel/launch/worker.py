@@ -81,8 +81,8 @@ def _prepare_process(env: dict, threads: int) -> None:
 
 def _error_report(exc: BaseException) -> dict:
     tb = exc.__traceback__
-    # Drop this module's frames: the user's code starts below them.
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    # Drop our frames (this module's, and those marked __tracebackhide__): the user's code starts below.
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or "__tracebackhide__" in tb.tb_frame.f_locals):
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     kind = type(exc)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lab bench lint clean
+.PHONY: demo test browser lab bench lint clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,8 +15,21 @@ $(STAMP): pyproject.toml requirements-dev.txt
 demo: $(STAMP)
 	$(BIN)/python -m notebook_accel.demo notebooks/quickstart.ipynb
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q tests
+
+# The browser tests drive Debian's Chromium through Playwright; no browser is ever downloaded. Installs
+# it once (as root, as CI runs); a no-op when it is there.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "make browser: installing Debian's chromium for the browser tests"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	else \
+		echo "make browser: the browser tests need /usr/bin/chromium; run: sudo apt-get install -y chromium"; \
+		exit 1; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check notebook_accel tests benchmarks

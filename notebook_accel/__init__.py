@@ -39,6 +39,7 @@ _EXPORTS = {
     "infer_auto_device_map": "utils.modeling",
     "load_ipython_extension": "jupyter",
     "unload_ipython_extension": "jupyter",
+    "hardware_widget": "jupyter",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,0 +1,69 @@
+"""What a person sees in JupyterLab (headless Chromium): the hardware panel, and a %%accelerate
+cell on 2 ranks whose launch panel shows both ranks' output and a finished status, in the light
+and the dark theme. Screenshots go to tests/.artifacts/<test>/."""
+
+import re
+
+import pytest
+from browser import (  # noqa: F401  (pytest fixtures)
+    browser_page,
+    jupyter_lab,
+    open_notebook,
+    run_all,
+    screenshot,
+    wait_for_output,
+    write_notebook,
+)
+
+CELLS = [
+    "%load_ext notebook_accel\nimport notebook_accel\nnotebook_accel.hardware_widget()",
+    "%%accelerate -n 2 --port auto\nimport os, sys\nrank = os.environ['RANK']\n"
+    "for i in range(3):\n    print(f'line {i} from rank {rank}')\nprint(f'warning on rank {rank}', file=sys.stderr)",
+]
+
+
+def _switch_theme(page, name: str) -> None:
+    page.locator("li.lm-MenuBar-item", has_text="Settings").click()
+    page.locator(".lm-Menu-item", has_text="Theme").first.hover()
+    page.get_by_role("menuitem", name=name, exact=True).click()
+    page.wait_for_function(f"document.body.dataset.jpThemeName === {name!r}", timeout=20_000)
+
+
+@pytest.mark.timeout(240)
+def test_launch_panel_and_hardware_panel_render(jupyter_lab, browser_page, tmp_path):  # noqa: F811
+    page = browser_page
+    write_notebook(jupyter_lab.root, "panels.ipynb", CELLS)
+    open_notebook(page, jupyter_lab, "panels.ipynb")
+    run_all(page)
+
+    hardware = wait_for_output(page, ".nacc-hardware")
+    assert "CPU" in hardware.inner_text() and "gloo" in hardware.inner_text()
+
+    wait_for_output(page, '.nacc-launch-status[data-status="done"]', timeout=90)
+    panel = page.locator(".nacc-launch").first
+    for rank in (0, 1):
+        status = panel.locator(f'.nacc-status[data-rank="{rank}"]')
+        assert status.get_attribute("data-status") == "done"
+    all_ranks = panel.locator('pre.nacc-log[data-view="all"]')
+    text = all_ranks.inner_text()
+    for rank in (0, 1):
+        for i in range(3):
+            assert f"line {i} from rank {rank}" in text, text
+        assert f"warning on rank {rank}" in text
+    # Rank prefixes are coloured per rank (not one colour for all).
+    colours = set(all_ranks.locator("span").evaluate_all("els => els.map(e => getComputedStyle(e).color)"))
+    assert len(colours) >= 2, colours
+    assert panel.locator(".nacc-stop").count() == 0 or panel.locator(".nacc-stop").is_disabled()
+
+    light = screenshot(page, tmp_path / "panels-light.png")
+    _switch_theme(page, "JupyterLab Dark")
+    panel.scroll_into_view_if_needed()
+    background = page.evaluate("getComputedStyle(document.querySelector('.jp-Notebook')).backgroundColor")
+    assert (
+        re.match(r"rgb\((\d+), (\d+), (\d+)\)", background)
+        and sum(int(c) for c in re.findall(r"\d+", background)[:3]) < 200
+    ), background  # the page really is dark
+    pre_colour = all_ranks.evaluate("e => getComputedStyle(e).color")
+    assert sum(int(c) for c in re.findall(r"\d+", pre_colour)[:3]) > 400, pre_colour  # light text on dark
+    dark = screenshot(page, tmp_path / "panels-dark.png")
+    print(f"\nscreenshots: {light} {dark}")

@@ -1,9 +1,15 @@
-"""Real-browser test helpers: a throw-away JupyterLab server and headless Chromium driven by Playwright.
+"""Real-browser test helpers: a throw-away JupyterLab (or Notebook 7) server and headless Chromium driven by
+Playwright.
 
 Use from a test module:
 
     from browser import browser_page, jupyter_lab  # noqa: F401  (pytest fixtures)
     from browser import open_notebook, run_all, screenshot, wait_for_output, write_notebook
+
+or, for Jupyter Notebook 7 (the `notebook` package, built from JupyterLab's components):
+
+    from browser import browser_page, jupyter_notebook7  # noqa: F401  (pytest fixtures)
+    from browser import open_notebook7, run_all_notebook7, screenshot, wait_for_output, write_notebook
 
 Chromium is Debian's package (`make browser` installs it); Playwright only drives it and never downloads a
 browser of its own. A test that needs the browser FAILS, with a hint, when Chromium is missing: a skip
@@ -56,21 +62,35 @@ OUTPUT = ".jp-OutputArea-output"
 SERVER_START_TIMEOUT = 60.0
 SERVER_STOP_TIMEOUT = 10.0
 
+# The front ends start_server() knows: app -> (the Python module run with -m, its name in messages).
+APPS = {
+    "lab": ("jupyterlab", "jupyter lab"),
+    "notebook": ("notebook", "jupyter notebook"),
+}
+
 
 # --------------------------------------------------------------------------------------------- server
 
 
-class JupyterLab:
-    """A running JupyterLab server (what the `jupyter_lab` fixture yields)."""
+class JupyterServer:
+    """A running Jupyter server with the JupyterLab or the Notebook 7 front end (what the `jupyter_lab`
+    and `jupyter_notebook7` fixtures yield); `.app` is "lab" or "notebook"."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, token: str, root: Path, log_path: Path):
+    def __init__(
+        self, proc: subprocess.Popen, port: int, token: str, root: Path, log_path: Path, app: str = "lab"
+    ):
         self.proc = proc
         self.port = port
         self.token = token
         self.root = root
         self.log_path = log_path
+        self.app = app
         self.url = f"http://127.0.0.1:{port}"
         self.started_in: Optional[float] = None  # seconds from spawn to /api/status answering
+
+    @property
+    def title(self) -> str:
+        return APPS[self.app][1]
 
     def api(self, path: str, timeout: float = 5.0):
         """GET /api/<path> with the token; returns the decoded JSON."""
@@ -81,12 +101,25 @@ class JupyterLab:
             return json.loads(resp.read().decode())
 
     def notebook_url(self, name: str) -> str:
+        if self.app == "notebook":
+            # Notebook 7 shows one document per page and keeps no workspace to restore.
+            return f"{self.url}/notebooks/{name}?token={self.token}"
         # ?reset: start from an empty workspace, not one restored from an earlier page load.
         return f"{self.url}/lab/tree/{name}?reset&token={self.token}"
 
     def open(self, page, name: str, timeout: float = 60.0) -> None:
         """Open notebook `name` (relative to `.root`) and wait for its cells and an idle kernel."""
-        open_notebook(page, self, name, timeout=timeout)
+        if self.app == "notebook":
+            open_notebook7(page, self, name, timeout=timeout)
+        else:
+            open_notebook(page, self, name, timeout=timeout)
+
+    def run_all(self, page, timeout: float = 10.0) -> None:
+        """Run > Run All Cells in this server's front end."""
+        if self.app == "notebook":
+            run_all_notebook7(page, timeout=timeout)
+        else:
+            run_all(page, timeout=timeout)
 
     def log_tail(self, lines: int = 80) -> str:
         try:
@@ -136,12 +169,12 @@ def _server_env(base: Path) -> dict:
     return env
 
 
-def _wait_for_status(lab: JupyterLab, timeout: float) -> None:
+def _wait_for_status(lab: JupyterServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if lab.proc.poll() is not None:
             raise RuntimeError(
-                f"jupyter lab exited with code {lab.proc.returncode} before answering; "
+                f"{lab.title} exited with code {lab.proc.returncode} before answering; "
                 f"log {lab.log_path}:\n{lab.log_tail()}"
             )
         try:
@@ -151,29 +184,49 @@ def _wait_for_status(lab: JupyterLab, timeout: float) -> None:
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"jupyter lab did not answer /api/status within {timeout:.0f}s; log {lab.log_path}:\n{lab.log_tail()}"
+                f"{lab.title} did not answer /api/status within {timeout:.0f}s; log {lab.log_path}:\n{lab.log_tail()}"
             )
         time.sleep(0.2)
 
 
-def start_jupyter_lab(base: Path) -> JupyterLab:
-    """Start a JupyterLab server whose state and notebooks live under `base`; returns once it answers."""
+def _require_app(app: str) -> None:
+    """Fail (never skip) when the front end's package is missing or, for "notebook", older than 7."""
+    if app not in APPS:
+        raise ValueError(f"app must be one of {sorted(APPS)}, not {app!r}")
+    module = APPS[app][0]
     try:
-        import jupyterlab  # noqa: F401
+        mod = __import__(module)
     except ImportError:
         pytest.fail(
-            "jupyterlab is not installed in this interpreter: run `make test` (it installs the dev set)",
+            f"{module} is not installed in this interpreter: run `make test` (it installs the dev set)",
             pytrace=False,
         )
+    if app == "notebook":
+        major = str(getattr(mod, "__version__", "0")).split(".")[0]
+        if not (major.isdigit() and int(major) >= 7):
+            pytest.fail(
+                f"notebook {getattr(mod, '__version__', '?')} is installed; these tests need Notebook 7 "
+                "(run `make test`, it installs the dev set)",
+                pytrace=False,
+            )
+
+
+def start_server(base: Path, app: str = "lab") -> JupyterServer:
+    """Start a Jupyter server whose state and notebooks live under `base`; returns once it answers.
+
+    `app` picks the front end: "lab" (JupyterLab, pages under /lab) or "notebook" (Notebook 7, pages
+    under /tree and /notebooks). Both run on 127.0.0.1 with a random token and open no browser.
+    """
+    _require_app(app)
     base.mkdir(parents=True, exist_ok=True)
     root = base / "notebooks"
     root.mkdir(exist_ok=True)
     env = _server_env(base)
     port = _free_port()
     token = secrets.token_hex(16)
-    log_path = base / "jupyter-lab.log"
+    log_path = base / f"jupyter-{app}.log"
     cmd = [
-        sys.executable, "-m", "jupyterlab",
+        sys.executable, "-m", APPS[app][0],
         "--no-browser", "--allow-root",
         "--ip", "127.0.0.1", "--port", str(port), "--ServerApp.port_retries=0",
         f"--ServerApp.token={token}",
@@ -184,18 +237,23 @@ def start_jupyter_lab(base: Path) -> JupyterLab:
             cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl+C in the terminal reaches pytest, which then stops us in order
         )  # fmt: skip
-    lab = JupyterLab(proc, port, token, root, log_path)
+    lab = JupyterServer(proc, port, token, root, log_path, app=app)
     t0 = time.monotonic()
     try:
         _wait_for_status(lab, SERVER_START_TIMEOUT)
     except BaseException:
-        stop_jupyter_lab(lab)
+        stop_server(lab)
         raise
     lab.started_in = time.monotonic() - t0
     return lab
 
 
-def stop_jupyter_lab(lab: JupyterLab) -> None:
+def start_jupyter_lab(base: Path) -> JupyterServer:
+    """Start a JupyterLab server whose state and notebooks live under `base`; returns once it answers."""
+    return start_server(base, app="lab")
+
+
+def stop_server(lab: JupyterServer) -> None:
     """SIGTERM the server (it shuts its kernels down), then SIGKILL whatever of it and its kernels is left.
 
     Kernels run in sessions of their own, so they are found as the server's descendants before it stops.
@@ -224,6 +282,11 @@ def stop_jupyter_lab(lab: JupyterLab) -> None:
     psutil.wait_procs(alive, timeout=5.0)
 
 
+# The names these had when JupyterLab was the only front end.
+JupyterLab = JupyterServer
+stop_jupyter_lab = stop_server
+
+
 def _failures(request) -> int:
     return request.session.testsfailed
 
@@ -239,20 +302,31 @@ def _report(request, text: str) -> None:
         sys.stderr.write(text + "\n")
 
 
-@pytest.fixture(scope="module")
-def jupyter_lab(request, tmp_path_factory) -> Iterator[JupyterLab]:
-    """A JupyterLab server for this module: yields a `JupyterLab` (`.url`, `.token`, `.root`, `.open`)."""
+def _server_fixture(request, tmp_path_factory, app: str) -> Iterator[JupyterServer]:
     require_chromium()  # a server with no browser to look at it is of no use: fail before starting it
-    lab = start_jupyter_lab(tmp_path_factory.mktemp("jupyter-lab"))
+    lab = start_server(tmp_path_factory.mktemp(f"jupyter-{app}"), app=app)
     failed_before = _failures(request)
     try:
         yield lab
     finally:
-        stop_jupyter_lab(lab)
+        stop_server(lab)
         if _failures(request) > failed_before:
             _report(
-                request, f"---- jupyter lab server log ({lab.log_path}), last lines ----\n{lab.log_tail()}"
+                request, f"---- {lab.title} server log ({lab.log_path}), last lines ----\n{lab.log_tail()}"
             )
+
+
+@pytest.fixture(scope="module")
+def jupyter_lab(request, tmp_path_factory) -> Iterator[JupyterServer]:
+    """A JupyterLab server for this module: yields a `JupyterLab` (`.url`, `.token`, `.root`, `.open`)."""
+    yield from _server_fixture(request, tmp_path_factory, "lab")
+
+
+@pytest.fixture(scope="module")
+def jupyter_notebook7(request, tmp_path_factory) -> Iterator[JupyterServer]:
+    """A Jupyter Notebook 7 server for this module: yields a `JupyterServer` with `.app == "notebook"`
+    (`.url`, `.token`, `.root`, `.open`, `.run_all`)."""
+    yield from _server_fixture(request, tmp_path_factory, "notebook")
 
 
 # -------------------------------------------------------------------------------------------- browser
@@ -364,7 +438,7 @@ _NOTEBOOK_READY = """() => {
 }"""
 
 
-def open_notebook(page, lab: JupyterLab, name: str, timeout: float = 60.0) -> None:
+def open_notebook(page, lab: JupyterServer, name: str, timeout: float = 60.0) -> None:
     """Load `name` in JupyterLab and wait until its cells are shown and its kernel is started and idle."""
     ms = timeout * 1000
     page.goto(lab.notebook_url(name), wait_until="domcontentloaded", timeout=ms)
@@ -383,6 +457,62 @@ def run_all(page, timeout: float = 10.0) -> None:
     """Run > Run All Cells, through the menu bar as a person would."""
     ms = timeout * 1000
     page.locator("li.lm-MenuBar-item", has_text=re.compile(r"^Run$")).click(timeout=ms)
+    page.locator('.lm-Menu-item[data-command="runmenu:run-all"]').click(timeout=ms)
+
+
+# Notebook 7 (measured with notebook 7.6 on JupyterLab 4.6 components): one document per page, whose
+# <body> has data-notebook="notebooks"; the top bar (#top-panel: logo, #jp-title) and the menu bar
+# (#menu-panel: #jp-MainMenu, then the kernel status text and the "Not Trusted" button) sit above
+# #main-panel, which holds the .jp-NotebookPanel. Its toolbar names the kernel like Lab's does
+# (.jp-Toolbar-kernelName, "No Kernel" until a session exists) and has the same execution indicator
+# (.jp-Notebook-ExecutionIndicator[data-status]), plus Notebook 7's .jp-NotebookKernelLogo. The menu
+# bar's .jp-NotebookKernelStatus reads "Kernel Initializing" / "Kernel Connecting" (class
+# jp-NotebookKernelStatus-info), "Kernel Unknown" (-warn) or "Kernel Dead" (-error) and turns empty
+# (only -fade) once the kernel is idle or busy.
+NB7_PAGE = 'body[data-notebook="notebooks"]'
+NB7_MENU_BAR = "#menu-panel #jp-MainMenu"
+NB7_PANEL = "#main-panel .jp-NotebookPanel"
+NB7_KERNEL_STATUS = "#menu-panel .jp-NotebookKernelStatus"
+
+_NOTEBOOK7_READY = """() => {
+  if (document.body.dataset.notebook !== 'notebooks') return false;
+  const panel = document.querySelector('#main-panel .jp-NotebookPanel');
+  if (!panel || !panel.querySelector('.jp-Cell')) return false;
+  const name = panel.querySelector('.jp-NotebookPanel-toolbar .jp-Toolbar-kernelName');
+  const kernel = name ? name.textContent.trim() : '';
+  const indicator = panel.querySelector('.jp-Notebook-ExecutionIndicator');
+  const status = document.querySelector('#menu-panel .jp-NotebookKernelStatus');
+  const starting = !status || ['info', 'warn', 'error'].some(
+    k => status.classList.contains('jp-NotebookKernelStatus-' + k)) || status.textContent.trim() !== '';
+  return kernel !== '' && kernel !== 'No Kernel' && !starting
+    && !!indicator && indicator.getAttribute('data-status') === 'idle';
+}"""
+
+
+def open_notebook7(page, server: JupyterServer, name: str, timeout: float = 60.0) -> None:
+    """Load `name` in Notebook 7 (/notebooks/<name>) and wait until its cells are shown and its kernel
+    is started and idle."""
+    if server.app != "notebook":
+        raise ValueError(f"open_notebook7 needs a Notebook 7 server (jupyter_notebook7), not {server.app!r}")
+    ms = timeout * 1000
+    page.goto(server.notebook_url(name), wait_until="domcontentloaded", timeout=ms)
+    page.locator(NB7_PAGE).wait_for(state="attached", timeout=ms)
+    page.locator(f"{NB7_PANEL} .jp-Cell").first.wait_for(state="visible", timeout=ms)
+    try:
+        page.wait_for_function(_NOTEBOOK7_READY, timeout=ms, polling=100)
+    except Exception as exc:
+        toolbar = page.locator(f"{NB7_PANEL} .jp-Toolbar-kernelName").all_inner_texts()
+        status = page.locator(NB7_KERNEL_STATUS).all_inner_texts()
+        raise AssertionError(
+            f"{name}: no idle kernel within {timeout:.0f}s in Notebook 7 (toolbar kernel: {toolbar}, "
+            f"kernel status: {status}); server log: {server.log_path}"
+        ) from exc
+
+
+def run_all_notebook7(page, timeout: float = 10.0) -> None:
+    """Notebook 7's Run > Run All Cells, through its menu bar as a person would."""
+    ms = timeout * 1000
+    page.locator(f"{NB7_MENU_BAR} li.lm-MenuBar-item", has_text=re.compile(r"^Run$")).click(timeout=ms)
     page.locator('.lm-Menu-item[data-command="runmenu:run-all"]').click(timeout=ms)
 
 

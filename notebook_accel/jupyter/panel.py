@@ -390,9 +390,6 @@ class LaunchPanel(Sink):
                 row.layout.display = "none"
                 self.progress_bars[rank].value, self.progress_bars[rank].bar_style = 0.0, ""
             self._drawn_launch = snap["launch_id"]
-        state, note, stopping = snap["launch"]
-        _set(self.header, "value", _header_html(self.title, state, note, stopping, snap["launch_elapsed"]))
-        _set(self.stop_button, "disabled", state != "running" or stopping)
         _set(self.status_table, "value", _status_html(snap["rows"]))
         for name, view in self.views.items():
             if name in snap["logs"]:
@@ -413,6 +410,10 @@ class LaunchPanel(Sink):
         for rank, seen in snap["bars"].items():
             self._draw_bar(rank, seen, states.get(rank))
         _set(self.traceback, "value", "".join(_traceback_html(f, tail) for f, tail in snap["failures"]))
+        # The launch's state last: a front end that shows "done" already shows the rest.
+        state, note, stopping = snap["launch"]
+        _set(self.stop_button, "disabled", state != "running" or stopping)
+        _set(self.header, "value", _header_html(self.title, state, note, stopping, snap["launch_elapsed"]))
 
     def _draw_bar(self, rank: int, seen: tuple, state: Optional[str]) -> None:
         text, final = seen

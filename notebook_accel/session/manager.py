@@ -1,0 +1,242 @@
+"""Session: N worker processes that keep their state across notebook cells.
+
+The public face; pool.py holds the running workers. Nothing here imports IPython, and every call
+blocks the calling thread (the kernel's) until the ranks answer: no reply has a time limit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import sys
+import time
+from typing import Callable, Optional
+
+from .errors import CellError, SessionError, SessionNotStarted, SessionTimeout
+from .pool import Request, WorkerPool, cell_reply
+from .ranks import parse_ranks
+from .workers import reap
+
+INTERRUPT_GRACE_S = 10.0  # after an interrupt: SIGINT again each second, SIGKILL after this long
+STOP_GRACE_S = 3.0  # a stop message, then SIGTERM, then after TERM_GRACE_S, SIGKILL
+TERM_GRACE_S = 2.0
+
+
+def print_output(rank: int, stream: str, text: str, transient: bool) -> None:
+    """The default output handler: `[rank N] line` on sys.stdout (redraws are skipped)."""
+    if not transient:
+        print(f"[rank {rank}] {text}", file=sys.stdout, flush=True)
+
+
+class Session:
+    def __init__(
+        self,
+        num_processes: int,
+        start_method: str = "fork",
+        mixed_precision: Optional[str] = None,
+        cpu: Optional[bool] = None,
+        on_output: Optional[Callable] = None,
+    ):
+        self.num_processes = num_processes
+        self.start_method = start_method
+        self.mixed_precision = mixed_precision
+        self.cpu = cpu
+        self.on_output = on_output or print_output  # (rank, stream, text, transient), from a thread
+        self.tick: Optional[Callable] = None  # called often in the waiting thread while calls wait
+        self._pool: Optional[WorkerPool] = None
+        self._ids = itertools.count(1)
+        self._cell_numbers = itertools.count(1)
+
+    def __enter__(self) -> "Session":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def started(self) -> bool:
+        return self._pool is not None
+
+    @property
+    def port(self) -> Optional[int]:
+        """The channel's listening port on 127.0.0.1, while started."""
+        return self._pool.listener.getsockname()[1] if self._pool is not None else None
+
+    @property
+    def dropped_frames(self) -> int:
+        """Frames dropped for a bad signature since the last start."""
+        return self._pool.dropped_frames if self._pool is not None else 0
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def start(self, timeout: float = 300.0) -> "Session":
+        """Start the workers; returns once every one is connected and has said hello."""
+        if self._pool is not None:
+            raise SessionError("the session is already started; call restart() to start it afresh")
+        from ..launch.plan import default, make_plan
+
+        plan = make_plan(
+            num_processes=self.num_processes, mixed_precision=self.mixed_precision or default("no"),
+            use_port="auto", master_addr="127.0.0.1", node_rank=0, num_nodes=1, rdzv_backend="static",
+            max_restarts=0, start_method=self.start_method, cpu=self.cpu,
+        )  # fmt: skip
+        if plan.engine != "local":
+            raise SessionError(f"interactive sessions need local processes, not the {plan.engine} engine")
+        for note in plan.notes:
+            print(note, file=sys.stderr)
+        pool = WorkerPool(lambda *line: self.on_output(*line))
+        pool.open(plan, timeout)
+        self._pool = pool
+        return self
+
+    def stop(self) -> None:
+        """Ask each worker to stop, then SIGTERM, then SIGKILL; returns when none is left."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop(STOP_GRACE_S, TERM_GRACE_S)
+
+    def restart(self) -> "Session":
+        self.stop()
+        return self.start()
+
+    # -- cells and values ---------------------------------------------------------------------
+    def run_cell(
+        self, source: str, filename: Optional[str] = None, ranks=None, timeout: Optional[float] = None,
+        check: bool = False,
+    ) -> dict:  # fmt: skip
+        """Run `source` on the ranks; rank -> CellReply once every one has answered. With `timeout`
+        the ranks are interrupted when it runs out and SessionTimeout is raised. `check=True`
+        raises CellError when the cell raised on some rank."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        filename = filename or f"<session-cell-{next(self._cell_numbers)}>"
+        answers = self._call(ranks, {"type": "exec", "source": source, "filename": filename}, timeout=timeout)
+        replies = {rank: cell_reply(rank, header) for rank, (header, _) in answers.items()}
+        errors = {rank: reply.error for rank, reply in replies.items() if not reply.ok}
+        if check and errors:
+            raise CellError(errors)
+        return replies
+
+    def push(self, values: dict, ranks=None) -> None:
+        """Set names in the workers' namespaces (values travel with cloudpickle)."""
+        if not isinstance(values, dict) or not all(isinstance(k, str) and k.isidentifier() for k in values):
+            raise ValueError("push() takes a dict of variable names (identifiers) to values")
+        answers = self._call(ranks, {"type": "push", "names": sorted(values)}, _dumps(values))
+        errors = {rank: header["error"] for rank, (header, _) in answers.items() if not header["ok"]}
+        if errors:
+            raise CellError(errors, what="push")
+
+    def pull(self, name: str, rank: int = 0):
+        """The value of `name` on `rank` (tensors come back on the CPU)."""
+        header, payload = self._call([rank], {"type": "pull", "name": name})[rank]
+        if not header["ok"]:
+            raise CellError({rank: header["error"]}, what="pull")
+        import cloudpickle
+
+        return cloudpickle.loads(payload)  # its frame's signature was checked on arrival
+
+    def interrupt(self, ranks=None) -> None:
+        """SIGINT to the busy workers among `ranks`: their running cell raises KeyboardInterrupt."""
+        pool = self._live()
+        for rank in parse_ranks(ranks, len(pool.workers)):
+            if pool.workers[rank].busy:
+                pool.signal(pool.workers[rank], signal.SIGINT)
+
+    def status(self) -> list:
+        """One dict per rank: rank, pid, state (idle/busy/dead), exitcode, signal, device, rss."""
+        import psutil
+
+        pool = self._pool
+        if pool is None:
+            return []
+        reap([w for w in pool.workers if w.dead], pool.warm, 2.0, pool.cond)  # forkserver exit codes
+        rows = []
+        for w in pool.workers:
+            rss = None
+            if not w.dead:
+                try:
+                    rss = psutil.Process(w.pid).memory_info().rss
+                except psutil.Error:
+                    pass
+            rows.append({"rank": w.rank, "pid": w.pid, "state": w.state, "exitcode": w.exitcode,
+                         "signal": w.signal_name, "device": w.device, "rss": rss})  # fmt: skip
+        return rows
+
+    # -- requests -----------------------------------------------------------------------------
+    def _live(self) -> WorkerPool:
+        if self._pool is None:
+            raise SessionNotStarted("the session is not started; call start()")
+        if self._pool.failure is not None:
+            raise SessionError(f"the session's reader thread failed ({self._pool.failure!r}); call restart()")
+        return self._pool
+
+    def _call(self, ranks, header: dict, payload: bytes = b"", timeout: Optional[float] = None) -> dict:
+        """rank -> (reply header, payload) from every targeted rank; WorkerDied if one died."""
+        pool = self._live()
+        targets = parse_ranks(ranks, len(pool.workers))
+        dead = [r for r in targets if pool.workers[r].dead]
+        if dead:
+            raise pool.died(dead, {})
+        busy = [r for r in targets if pool.workers[r].busy]
+        if busy:
+            raise SessionError(f"ranks {busy} are still running an earlier request; interrupt() or restart()")
+        req = pool.submit(next(self._ids), targets, header, payload)
+        try:
+            self._await(pool, req, timeout)
+        finally:
+            pool.forget(req)
+        if req.dead:
+            raise pool.died(sorted(req.dead), req.replies)
+        return {r: req.replies[r] for r in targets}
+
+    def _await(self, pool: WorkerPool, req: Request, timeout: Optional[float]) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            done = pool.wait_until(req.finished, deadline, self.tick)
+        except KeyboardInterrupt:
+            self._interrupt(pool, req)
+            raise
+        if not done:
+            killed = self._interrupt(pool, req)
+            replies = {r: cell_reply(r, h) for r, (h, _) in sorted(req.replies.items())}
+            raise SessionTimeout(timeout, replies, killed)
+
+    def _interrupt(self, pool: WorkerPool, req: Request) -> list:
+        """SIGINT the ranks still on `req` (again each second); SIGKILL after INTERRUPT_GRACE_S or
+        a second KeyboardInterrupt. Returns the ranks killed."""
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        try:
+            while req.waiting() and time.monotonic() < deadline:
+                for rank in req.waiting():
+                    pool.signal(pool.workers[rank], signal.SIGINT)
+                pool.wait_until(lambda: not req.waiting(), min(deadline, time.monotonic() + 1.0), self.tick)
+        except KeyboardInterrupt:
+            pass  # a second interrupt: kill now
+        killed = req.waiting()
+        for rank in killed:
+            pool.signal(pool.workers[rank], signal.SIGKILL)
+        if killed:
+            print(f"notebook_accel session: ranks {killed} did not stop on interrupt and were killed; call restart()",
+                  file=sys.stderr)  # fmt: skip
+        try:
+            pool.wait_until(lambda: not req.waiting(), time.monotonic() + 5.0, self.tick)
+        except KeyboardInterrupt:
+            pass
+        return killed
+
+
+def _dumps(values: dict) -> bytes:
+    from ..launch.payload import dumps
+
+    try:  # the launch payload carries notebook cells' source lines too, for workers' tracebacks
+        return dumps(dict, (values,))
+    except Exception:
+        import cloudpickle
+
+        for name, value in values.items():
+            try:
+                cloudpickle.dumps(value)
+            except Exception as exc:
+                raise SessionError(
+                    f"push: {name!r} ({type(value).__name__}) cannot be pickled: {exc}"
+                ) from exc
+        raise

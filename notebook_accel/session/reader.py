@@ -1,0 +1,205 @@
+"""The parent's one background reader: every worker's stdout, stderr and control socket, the
+channel (listener and connections) and process exits, all through one selector. Output is read
+as it comes, so a worker never blocks on a full pipe however long or loud its cell is."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import selectors
+import socket
+import struct
+import sys
+import threading
+import traceback
+
+from . import protocol
+
+_CTRL = struct.Struct("!Q")  # the launch worker's control frames: length, then a pickle
+MAX_UNBOUND = 64  # connections that have not said hello yet; more are refused
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, key: bytes):
+        self.sock = sock
+        self.frames = protocol.FrameReader(key, protocol.TO_PARENT, limit=protocol.HELLO_LIMIT)
+        self.rank = None  # the worker's _Rank once it said hello
+
+
+class Reader(threading.Thread):
+    def __init__(self, pool, listener: socket.socket, ranks: list, key: bytes):
+        super().__init__(name="notebook-accel-session-reader", daemon=True)
+        self.pool = pool
+        self.key = key
+        self.sel = selectors.DefaultSelector()
+        self.unbound = 0
+        self.running = True
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.sel.register(listener, selectors.EVENT_READ, ("listen", None))
+        self.sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        self.polled = []  # ranks with no exit fd: their exit is found by polling
+        for r in ranks:
+            for sock, kind in ((r.proc.out, "stdout"), (r.proc.err, "stderr"), (r.proc.ctrl, "ctrl")):
+                self.sel.register(sock, selectors.EVENT_READ, (kind, r))
+            if r.exit_fd is not None:
+                self.sel.register(r.exit_fd, selectors.EVENT_READ, ("exit", r))
+            else:
+                self.polled.append(r)
+
+    def stop(self) -> None:
+        self.running = False
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def run(self) -> None:
+        try:
+            while self.running:
+                for key, _ in self.sel.select(0.2 if self.polled else None):
+                    kind, item = key.data
+                    if kind == "listen":
+                        self._accept(key.fileobj)
+                    elif kind == "wake":
+                        self._drain_wake()
+                    elif kind == "chan":
+                        self._read_channel(item)
+                    elif kind == "ctrl":
+                        self._read_ctrl(item)
+                    elif kind == "exit":
+                        self._unregister(key.fileobj)
+                        self._exited(item)
+                    else:
+                        self._read_output(item, kind, key.fileobj)
+                for r in [r for r in self.polled if self.pool.poll_exit(r)]:
+                    self.polled.remove(r)
+                    self._exited(r)
+        except BaseException as exc:  # a dead reader would leave callers waiting forever: tell them
+            traceback.print_exc(file=sys.__stderr__)
+            self.pool.on_reader_failed(exc)
+        finally:
+            self.sel.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+
+    # -- channel --------------------------------------------------------------------------------
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return
+        if self.unbound >= MAX_UNBOUND:
+            sock.close()
+            return
+        self.unbound += 1
+        protocol.no_delay(sock)
+        self.sel.register(sock, selectors.EVENT_READ, ("chan", _Conn(sock, self.key)))
+
+    def _read_channel(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 20)
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)
+            return
+        try:
+            frames = conn.frames.feed(data)
+        except protocol.BadFrame:
+            self.pool.on_bad_frame()
+            self._close(conn)
+            return
+        for header, payload in frames:
+            if conn.rank is None:
+                conn.rank = self.pool.on_hello(header, conn.sock)
+                if conn.rank is None:  # signed, yet not a hello we expect: drop it all the same
+                    self.pool.on_bad_frame()
+                    self._close(conn)
+                    return
+                self.unbound -= 1
+                conn.frames.limit = None
+            elif header["type"] == "done":
+                # Output written before the reply is already in the socket buffers: deliver it first.
+                self._drain_output(conn.rank)
+                self.pool.on_reply(conn.rank, header, payload)
+
+    def _close(self, conn: _Conn) -> None:
+        if conn.rank is None:
+            self.unbound -= 1
+        self._unregister(conn.sock)
+        conn.sock.close()
+
+    # -- output, control, exits -----------------------------------------------------------------
+    def _read_output(self, r, stream: str, sock) -> bool:
+        """Read what is there; False once nothing more is (or the stream ended)."""
+        data = self._recv(sock)
+        if data is None:
+            return False
+        splitter = r.lines[stream]
+        if not data:
+            self._unregister(sock)
+            r.open_streams.discard(stream)
+        for text, transient in splitter.feed(data) if data else splitter.finish():
+            self.pool.emit(r.rank, stream, text, transient)
+        return bool(data)
+
+    def _drain_output(self, r) -> None:
+        for stream, sock in (("stdout", r.proc.out), ("stderr", r.proc.err)):
+            # What was written before the reply fits in the socket buffer; the bound keeps a
+            # background thread that never stops printing from holding the reply back forever.
+            for _ in range(64):
+                if stream not in r.open_streams or not self._read_output(r, stream, sock):
+                    break
+            for text, transient in r.lines[stream].finish():  # a cell's last partial line
+                self.pool.emit(r.rank, stream, text, transient)
+
+    def _read_ctrl(self, r) -> bool:
+        data = self._recv(r.proc.ctrl)
+        if data is None:
+            return False
+        if not data:
+            self._unregister(r.proc.ctrl)
+            r.open_streams.discard("ctrl")
+            return False
+        r.ctrl_buf += data
+        while len(r.ctrl_buf) >= _CTRL.size:
+            (size,) = _CTRL.unpack_from(r.ctrl_buf)
+            if len(r.ctrl_buf) < _CTRL.size + size:
+                break
+            # The control socket is a private socket pair to our own child, as in the launcher.
+            message = pickle.loads(r.ctrl_buf[_CTRL.size : _CTRL.size + size])
+            r.ctrl_buf = r.ctrl_buf[_CTRL.size + size :]
+            if message[0] == "error":
+                r.launch_error = message[1]
+        return True
+
+    def _exited(self, r) -> None:
+        self._drain_output(r)
+        while "ctrl" in r.open_streams and self._read_ctrl(r):
+            pass
+        self.pool.on_exit(r)
+
+    @staticmethod
+    def _recv(sock):
+        """Bytes ready on sock; b"" at its end; None when nothing is ready."""
+        try:
+            return sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return b""
+
+    def _unregister(self, fileobj) -> None:
+        try:
+            self.sel.unregister(fileobj)
+        except (KeyError, ValueError):
+            pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except OSError:
+            pass

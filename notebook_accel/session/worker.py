@@ -1,0 +1,142 @@
+"""The session worker: a launched rank whose function serves cells until told to stop.
+
+The launch machinery has already taken over fds 1 and 2 and set the launch environment; here
+the process group comes up, the worker connects back to the parent, says hello, and then answers
+exec / push / pull messages one at a time. Returning ends the rank (its group is destroyed then).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import sys
+
+import cloudpickle
+
+from . import display, protocol
+from .cells import Cells, error_report
+
+
+def serve(port: int, key: bytes) -> int:
+    from ..state import PartialState
+
+    state = PartialState()
+    _leave_the_kernel()
+    _line_buffered_stdio()
+    display.use_backend()
+    cells = Cells()
+    signal.signal(signal.SIGINT, cells.on_sigint)
+    sock = socket.create_connection(("127.0.0.1", port))
+    protocol.no_delay(sock)
+    channel = protocol.Channel(sock, key, protocol.TO_PARENT, protocol.TO_WORKER)
+    rank = state.process_index
+    channel.send({"type": "hello", "rank": rank, "pid": os.getpid(), "device": str(state.device)})
+    try:
+        while True:
+            try:
+                message = channel.recv()
+            except protocol.BadFrame as exc:
+                print(f"session worker {rank}: dropped the channel: {exc}", file=sys.stderr)
+                return 1
+            if message is None or message[0]["type"] == "stop":
+                return 0
+            header, payload = message
+            reply, data = _handle(cells, rank, header, payload)
+            _flush()
+            channel.send({"type": "done", "id": header.get("id"), "rank": rank, **reply}, data)
+    finally:
+        sock.close()
+
+
+def _handle(cells: Cells, rank: int, header: dict, payload: bytes):
+    kind = header["type"]
+    if kind == "exec":
+        return cells.run(header["source"], header["filename"]), b""
+    if kind == "push":
+        try:
+            from ..launch.payload import loads
+
+            function, args = loads(payload)
+            cells.namespace.update(function(*args))
+        except Exception as exc:
+            return {"ok": False, "error": error_report(exc)}, b""
+        return {"ok": True, "error": None}, b""
+    if kind == "pull":
+        return _pull(cells.namespace, rank, header["name"])
+    message = f"unknown message type {kind!r}"
+    return {"ok": False, "error": {"exc_type": "ValueError", "message": message, "traceback": ""}}, b""
+
+
+def _pull(namespace: dict, rank: int, name: str):
+    if name not in namespace:
+        message = f"name {name!r} is not defined on rank {rank}"
+        return {"ok": False, "error": {"exc_type": "NameError", "message": message, "traceback": ""}}, b""
+    value = namespace[name]
+    try:
+        buffer = io.BytesIO()
+        _ToCpuPickler(buffer).dump(value)
+    except Exception as exc:
+        message = f"{name!r} on rank {rank} ({type(value).__name__}) cannot be pickled: {exc}"
+        return {"ok": False, "error": {"exc_type": "PicklingError", "message": message, "traceback": ""}}, b""
+    return {"ok": True, "error": None}, buffer.getvalue()
+
+
+def _to_cpu(tensor):
+    import torch
+
+    moved = tensor.detach().to("cpu")
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
+    return moved.requires_grad_(tensor.requires_grad and tensor.is_leaf)
+
+
+class _ToCpuPickler(cloudpickle.Pickler):
+    """Pulled tensors arrive on the CPU: unpickling a CUDA tensor would initialise CUDA in the
+    kernel, and forked ranks could not use it any more."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return _to_cpu(obj).__reduce_ex__(self.proto)
+        return super().reducer_override(obj)
+
+
+def _leave_the_kernel() -> None:
+    # A worker forked from a kernel inherits its IPython shell, whose display() and widgets
+    # would write to the kernel's sockets from a second process. Without it, get_ipython() is
+    # None here and libraries fall back to text (tqdm.auto too).
+    module = sys.modules.get("IPython.core.interactiveshell")
+    if module is not None and module.InteractiveShell.initialized():
+        type(module.InteractiveShell.instance()).clear_instance()
+
+
+def _line_buffered_stdio() -> None:
+    # One write per line (print("a", 1) arrives whole), and partial lines wait for the cell's end.
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = io.TextIOWrapper(
+            io.BufferedWriter(io.FileIO(fd, "w", closefd=False)), encoding="utf-8",
+            errors="backslashreplace", line_buffering=True,
+        )  # fmt: skip
+        setattr(sys, name, stream)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    global _libc
+    try:  # C extensions write through libc, which buffers when fd 1 is not a terminal
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL(None)
+        _libc.fflush(None)
+    except Exception:
+        pass
+
+
+_libc = None

@@ -1,0 +1,335 @@
+"""Interactive sessions in real processes on gloo: state across cells, interrupts, dead workers,
+output, push / pull, and the channel's signatures. Every test has a timeout; none asserts speed."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+
+import psutil
+import pytest
+
+from notebook_accel.session import (
+    CellError,
+    Session,
+    SessionNotStarted,
+    SessionTimeout,
+    WorkerDied,
+    parse_ranks,
+    protocol,
+)
+
+
+class Lines:
+    """An on_output handler that keeps every line and can wait for one."""
+
+    def __init__(self):
+        self.items = []
+        self.cond = threading.Condition()
+
+    def __call__(self, rank, stream, text, transient):
+        with self.cond:
+            self.items.append((rank, stream, text, transient))
+            self.cond.notify_all()
+
+    def of(self, rank, stream="stdout"):
+        with self.cond:
+            return [t for r, s, t, tr in self.items if r == rank and s == stream and not tr]
+
+    def wait_for(self, text, count=1, timeout=30.0):
+        with self.cond:
+            return self.cond.wait_for(lambda: sum(t == text for *_, t, _tr in self.items) >= count, timeout)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_warm_server_afterwards():
+    yield
+    from notebook_accel.launch.warm import WarmServer
+
+    WarmServer.shutdown()
+
+
+@pytest.fixture
+def lines():
+    return Lines()
+
+
+@pytest.fixture
+def session(lines):
+    s = Session(2, cpu=True, on_output=lines).start()
+    yield s
+    s.stop()
+
+
+def _all_ok(replies):
+    assert all(r.ok for r in replies.values()), {k: r.error for k, r in replies.items() if not r.ok}
+    return replies
+
+
+def results(session, source, **kwargs):
+    """rank -> the text/plain of the cell's result, asserting that every rank succeeded."""
+    return {rank: reply.result_repr for rank, reply in _all_ok(session.run_cell(source, **kwargs)).items()}
+
+
+# -- state and the process group -------------------------------------------------------------
+DIST = "import torch, torch.distributed as dist\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_state_lives_across_cells(start_method, lines):
+    with Session(2, start_method=start_method, cpu=True, on_output=lines) as s:
+        results(s, DIST + "x = dist.get_rank()")
+        assert results(s, "x * 10") == {0: "0", 1: "10"}
+
+
+@pytest.mark.timeout(120)
+def test_four_ranks_all_reduce_right_after_start(lines):
+    s = Session(4, cpu=True, on_output=lines).start()
+    try:
+        # Sent the moment start() returns: every worker has said hello, so nothing is lost.
+        cell = DIST + "t = torch.tensor([float(dist.get_rank())])\ndist.all_reduce(t)\nt.item()"
+        assert results(s, cell) == {r: "6.0" for r in range(4)}
+        rows = s.status()
+        assert [row["rank"] for row in rows] == [0, 1, 2, 3]
+        assert all(row["state"] == "idle" and row["device"] == "cpu" and row["rss"] > 0 for row in rows)
+    finally:
+        s.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_subset_of_ranks(session):
+    assert results(session, "y = 5", ranks=[1]) == {1: None}
+    assert results(session, "'y' in globals()") == {0: "False", 1: "True"}
+    assert results(session, "1", ranks="1:") == {1: "1"}
+
+
+# -- push / pull -------------------------------------------------------------------------------
+POINT = """
+class Point:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def norm2(self):
+        return self.x ** 2 + self.y ** 2
+"""
+
+
+@pytest.mark.timeout(60)
+def test_push_pull_round_trip_with_a_notebook_class(session):
+    notebook = {"__name__": "__main__"}  # a class defined in a notebook cell: cloudpickled by value
+    exec(POINT, notebook)
+    Point = notebook["Point"]
+    session.push({"p": Point(3, 4), "scale": 10})
+    assert results(session, DIST + "q = type(p)(p.x * scale, dist.get_rank())\np.norm2()") == {
+        0: "25",
+        1: "25",
+    }
+    q = session.pull("q", rank=1)
+    assert isinstance(q, Point) and (q.x, q.y) == (30, 1)
+    session.push({"only_one": [1, 2]}, ranks=[0])
+    assert session.pull("only_one", rank=0) == [1, 2]
+    with pytest.raises(CellError, match="no_such_name"):
+        session.pull("no_such_name", rank=1)
+    results(session, "import threading\nlock = threading.Lock()")
+    with pytest.raises(CellError, match="'lock'.*cannot be pickled"):
+        session.pull("lock")
+
+
+# -- errors ------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_an_error_on_one_rank(session):
+    results(session, DIST + "rank = dist.get_rank()")
+    replies = session.run_cell("a = 1\nif rank == 1:\n    raise ValueError('boom')\n", filename="<cell-7>")
+    assert replies[0].ok and replies[0].error is None
+    error = replies[1].error
+    assert not replies[1].ok and error["exc_type"] == "ValueError" and error["message"] == "boom"
+    assert (
+        'File "<cell-7>", line 3' in error["traceback"] and "raise ValueError('boom')" in error["traceback"]
+    )
+    with pytest.raises(CellError, match="boom"):
+        session.run_cell("if rank == 1:\n    raise ValueError('boom')", check=True)
+    assert results(session, "a + 1") == {0: "2", 1: "2"}
+    assert session.run_cell("1 +")[0].error["exc_type"] == "SyntaxError"
+
+
+# -- interrupts, timeouts, dead workers --------------------------------------------------------
+SLEEP = "import time\nprint('sleeping')\ntime.sleep(60)"
+
+
+@pytest.mark.timeout(60)
+def test_keyboard_interrupt_while_waiting(session, lines):
+    main = threading.main_thread().ident
+
+    def interrupt():
+        lines.wait_for("sleeping", count=2)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        session.run_cell(SLEEP)
+    assert time.monotonic() - started < 30  # the sleep was cut short, not waited out
+    assert [row["state"] for row in session.status()] == ["idle", "idle"]
+    assert results(session, "'alive'") == {0: "'alive'", 1: "'alive'"}
+    os.kill(session.status()[0]["pid"], signal.SIGINT)  # between cells: ignored
+    assert results(session, "'still alive'") == {0: "'still alive'", 1: "'still alive'"}
+
+
+@pytest.mark.timeout(60)
+def test_timeout_interrupts_and_raises(session):
+    with pytest.raises(SessionTimeout) as info:
+        session.run_cell(SLEEP, timeout=1)
+    assert info.value.killed == []
+    assert {r: rep.error["exc_type"] for r, rep in info.value.replies.items()} == {
+        0: "KeyboardInterrupt", 1: "KeyboardInterrupt",
+    }  # fmt: skip
+    assert results(session, "2 * 21") == {0: "42", 1: "42"}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_killed_worker_is_reported_and_restart_works(start_method, lines):
+    session = Session(2, start_method=start_method, cpu=True, on_output=lines).start()
+    try:
+        pid1 = session.status()[1]["pid"]
+
+        def kill():
+            lines.wait_for("sleeping", count=2)
+            os.kill(pid1, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+        with pytest.raises(WorkerDied) as info:
+            session.run_cell(SLEEP)
+        assert info.value.deaths == {1: (-signal.SIGKILL, "SIGKILL")}
+        assert "rank 1" in str(info.value) and "SIGKILL" in str(info.value)
+        rows = session.status()
+        assert rows[1]["state"] == "dead" and rows[1]["signal"] == "SIGKILL"
+        assert rows[0]["state"] == "busy"  # still in its sleep
+        with pytest.raises(WorkerDied, match="rank 1"):
+            session.run_cell("1", ranks=[1])
+        session.restart()
+        assert results(session, DIST + "dist.get_world_size()") == {0: "2", 1: "2"}
+    finally:
+        session.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_stop_leaves_no_process_and_no_thread(start_method, lines, no_orphans):
+    s = Session(2, start_method=start_method, cpu=True, on_output=lines).start()
+    pids = [row["pid"] for row in s.status()]
+    reader = s._pool.reader
+    s.stop()
+    assert not reader.is_alive()
+    for pid in pids:
+        assert not psutil.pid_exists(pid)  # exited and reaped: no zombie either
+    no_orphans()
+    with pytest.raises(SessionNotStarted):
+        s.run_cell("1")
+
+
+# -- output ------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_megabytes_of_stderr_all_arrive(session, lines):
+    results(
+        session, "import sys\nfor i in range(50000):\n    sys.stderr.write(f'{i:09d}' + 'x' * 90 + '\\n')\n"
+    )
+    for rank in (0, 1):  # 5 MB per rank
+        got = lines.of(rank, "stderr")
+        assert len(got) == 50000 and got[-1].startswith("000049999")
+
+
+@pytest.mark.timeout(60)
+def test_print_arrives_as_one_line_and_late_lines_arrive(session, lines):
+    results(session, "print('a', 1)")
+    assert lines.of(0) == ["a 1"] and lines.of(1) == ["a 1"]
+    results(session, "import time\nprint('first')\ntime.sleep(1)\nprint('second')\nprint('tail', end='')")
+    assert lines.of(1) == ["a 1", "first", "second", "tail"]
+
+
+HTML_AND_FIGURE = """
+import matplotlib.pyplot as plt
+plt.plot([1, 2, 3])
+
+class Html:
+    def _repr_html_(self):
+        return '<b>hi</b>'
+
+Html()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_rich_output(session):
+    reply = _all_ok(session.run_cell(HTML_AND_FIGURE, ranks=[0]))[0]
+    assert reply.result["text/html"] == "<b>hi</b>"
+    assert len(reply.displays) == 1 and reply.displays[0]["image/png"].startswith("iVBOR")  # base64 PNG
+    assert results(session, "len(plt.get_fignums())", ranks=[0]) == {0: "0"}  # closed after the cell
+
+
+# -- the channel -------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_a_badly_signed_frame_is_dropped_unread(session, tmp_path):
+    marker = tmp_path / "unpickled"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    payload = pickle.dumps(Evil())
+    wrong_key = protocol.encode(protocol.new_key(), protocol.TO_PARENT, {"type": "hello", "rank": 0}, payload)
+    unsigned = wrong_key[: -protocol.MAC_SIZE] + bytes(protocol.MAC_SIZE)
+    frames = [wrong_key, unsigned]
+    for frame in frames:
+        with socket.create_connection(("127.0.0.1", session.port)) as raw:
+            raw.sendall(frame)
+            raw.settimeout(10)
+            assert raw.recv(100) == b""  # the parent closed the connection
+    deadline = time.monotonic() + 10
+    while session.dropped_frames < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert session.dropped_frames == 2
+    assert not marker.exists()
+    assert results(session, "'still fine'") == {0: "'still fine'", 1: "'still fine'"}
+
+
+@pytest.mark.timeout(10)
+def test_frames_are_checked_before_they_are_read():
+    key = protocol.new_key()
+    frame = protocol.encode(key, protocol.TO_PARENT, {"type": "done", "id": 3}, b"payload")
+    assert protocol.FrameReader(key, protocol.TO_PARENT).feed(frame[:5]) == []  # incomplete: wait
+    assert protocol.FrameReader(key, protocol.TO_PARENT).feed(frame) == [
+        ({"type": "done", "id": 3}, b"payload")
+    ]
+    tampered = frame.replace(b"payload", b"paYload")
+    for reader, data in (
+        (protocol.FrameReader(protocol.new_key(), protocol.TO_PARENT), frame),  # another session's key
+        (protocol.FrameReader(key, protocol.TO_PARENT), tampered),
+        (protocol.FrameReader(key, protocol.TO_WORKER), frame),  # reflected back the other way
+        (protocol.FrameReader(key, protocol.TO_PARENT, limit=1024), frame[:4] + b"\xff" * 4),  # too big
+    ):
+        with pytest.raises(protocol.BadFrame):
+            reader.feed(data)
+
+
+# -- rank specs ----------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_parse_ranks():
+    assert parse_ranks("all", 4) == [0, 1, 2, 3]
+    assert parse_ranks(None, 2) == [0, 1]
+    assert parse_ranks("0,2", 4) == [0, 2]
+    assert parse_ranks("1:", 4) == [1, 2, 3]
+    assert parse_ranks(":2", 4) == [0, 1]
+    assert parse_ranks("0, 2:4", 4) == [0, 2, 3]
+    assert parse_ranks([3, 1], 4) == [3, 1]
+    assert parse_ranks(2, 4) == [2]
+    for bad, words in (("4", "rank 4 does not exist; valid ranks are 0..3"), ("a", "'a' is not a rank number"),
+                       ("3:1", "not a range"), ([5], "rank 5"), ("", "is not a rank number"), (True, "not a rank spec")):  # fmt: skip
+        with pytest.raises(ValueError, match=words) as info:
+            parse_ranks(bad, 4)
+        assert repr(bad) in str(info.value)

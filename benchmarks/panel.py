@@ -52,7 +52,7 @@ def main() -> None:
         console_seconds = feed(ConsoleSink(), args.lines, args.ranks)
 
     print(f"{args.lines} lines from {args.ranks} ranks")
-    print(f"| sink | lines/s into handle() | widget value updates sent | updates per second of feeding |")
+    print("| sink | lines/s into handle() | widget value updates sent | updates per second of feeding |")
     print("|---|---|---|---|")
     print(f"| launch panel (fps=10) | {args.lines / seconds:,.0f} | {updates['n']} | {updates['n'] / wall:.1f} |")
     print(f"| console sink (baseline, to memory) | {args.lines / console_seconds:,.0f} | - | - |")

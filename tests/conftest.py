@@ -11,6 +11,7 @@ os.environ["NOTEBOOK_ACCEL_CONFIG_FILE"] = os.path.join(os.path.dirname(__file__
 import time  # noqa: E402
 
 import pytest  # noqa: E402
+from kernels import kernel  # noqa: E402, F401  (a fixture: a real kernel over jupyter_client)
 from orphans import children, long_lived_helpers  # noqa: E402
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -19,6 +19,7 @@ CELLS = [
     "%load_ext notebook_accel\nimport notebook_accel\nnotebook_accel.hardware_widget()",
     "%%accelerate -n 2 --port auto\nimport os, sys\nrank = os.environ['RANK']\n"
     "for i in range(3):\n    print(f'line {i} from rank {rank}')\nprint(f'warning on rank {rank}', file=sys.stderr)",
+    "%%accelerate -n 2 --port auto\nimport time\nprint('long cell started', flush=True)\ntime.sleep(120)",
 ]
 
 
@@ -54,6 +55,15 @@ def test_launch_panel_and_hardware_panel_render(jupyter_lab, browser_page, tmp_p
     colours = set(all_ranks.locator("span").evaluate_all("els => els.map(e => getComputedStyle(e).color)"))
     assert len(colours) >= 2, colours
     assert panel.locator(".nacc-stop").count() == 0 or panel.locator(".nacc-stop").is_disabled()
+
+    # The third cell runs for 2 minutes; its Stop button ends it while the kernel is busy.
+    long_panel = page.locator(".nacc-launch").nth(1)
+    long_panel.locator('pre.nacc-log[data-view="all"]', has_text="long cell started").wait_for(timeout=60_000)
+    long_panel.locator(".nacc-stop").click()
+    long_panel.locator('.nacc-launch-status[data-status="stopped"]').wait_for(timeout=20_000)
+    wait_for_output(page, "CellStoppedError", timeout=20)
+    for rank in (0, 1):
+        assert long_panel.locator(f'.nacc-status[data-rank="{rank}"]').get_attribute("data-status") == "stopped"
 
     light = screenshot(page, tmp_path / "panels-light.png")
     _switch_theme(page, "JupyterLab Dark")

@@ -9,11 +9,15 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..launch.errors import LaunchConfigError
+from ..session.errors import SessionError
 from . import cells
 
 START_METHODS = ("fork", "spawn", "forkserver")
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
-LINE_COMMANDS = ("hardware", "env", "config")
+LINE_COMMANDS = ("hardware", "env", "config", "start", "stop", "restart", "status", "push", "pull", "auto")
+# Options that shape a fresh launch; a running session already has its workers.
+LAUNCH_ONLY = ("num_processes", "mixed_precision", "cpu", "num_nodes", "node_rank", "rdzv_endpoint", "max_restarts",
+               "port")  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,7 +76,17 @@ def cell_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", default=None, help='the rendezvous port, or "auto"')
     p.add_argument("--timeout", type=_seconds, default=None, help="stop every rank and fail after this long")
     p.add_argument("--out", type=_names, default=(), help="names to copy from rank 0 into the notebook")
+    p.add_argument("--ranks", default=None, help='with a session: the ranks to run on ("0,2", "1:", "all")')
     return p  # fmt: skip
+
+
+def start_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="%accelerate start", add_help=False, description="Start workers that live across cells.")
+    p.add_argument("-n", "--num-processes", type=_positive, default=None)
+    p.add_argument("--start-method", choices=START_METHODS, default="fork")
+    p.add_argument("--mixed-precision", choices=PRECISIONS, default=None)
+    p.add_argument("--cpu", action="store_true")
+    return p
 
 
 def launch_kwargs(args: argparse.Namespace) -> dict:
@@ -101,6 +115,26 @@ class AccelerateMagics(Magics):
             args = cell_parser().parse_args(shlex.split(line))
         except ValueError as exc:  # shlex: an unclosed quote
             raise UsageError(f"%%accelerate: {exc}") from None
+        from . import session
+
+        running = session.current()
+        if running is not None:
+            given = [
+                f"--{name.replace('_', '-')}"
+                for name in LAUNCH_ONLY
+                if getattr(args, name) not in (None, False, "")
+            ]
+            if given or args.start_method != "fork":
+                raise UsageError(
+                    f"%%accelerate: {', '.join(given or ['--start-method'])} set(s) up a fresh launch, but a session "
+                    f"with {running.world} workers is running: %accelerate stop first, or leave them out."
+                )
+            try:
+                return running.run_cell(cell, ranks=args.ranks, timeout=args.timeout, out=args.out)
+            except ValueError as exc:  # a bad --ranks
+                raise UsageError(f"%%accelerate: {exc}") from None
+        if args.ranks is not None:
+            raise UsageError("%%accelerate: --ranks needs a running session (%accelerate start -n N)")
         shell = self.shell
         number = shell.execution_count
         filename = shell.compile.cache(cell, number)  # IPython's own name for this cell's code
@@ -128,16 +162,17 @@ class AccelerateMagics(Magics):
 
     @line_magic("accelerate")
     def accelerate_line(self, line: str):
-        """%accelerate hardware | env | config"""
+        """%accelerate hardware | env | config | start [-n N ...] | stop | restart | status |
+        push NAME... [--ranks R] | pull NAME [--rank R] | auto on|off"""
         words = shlex.split(line)
         if not words or words[0] not in LINE_COMMANDS:
             raise UsageError(
                 f"%accelerate: expected one of {', '.join(LINE_COMMANDS)}, got {line.strip()!r}. "
                 "To run a cell on N processes, start it with %%accelerate -n N."
             )
-        return getattr(self, f"_show_{words[0]}")(words[1:])
+        return getattr(self, f"_cmd_{words[0]}")(words[1:])
 
-    def _show_hardware(self, rest: list):
+    def _cmd_hardware(self, rest: list):
         from . import widgets_enabled
 
         if widgets_enabled():
@@ -151,12 +186,12 @@ class AccelerateMagics(Magics):
 
             print(report(refresh=True))
 
-    def _show_env(self, rest: list):
+    def _cmd_env(self, rest: list):
         from ..commands.env_cmd import run
 
         run(argparse.Namespace(config_file=None, json=False))
 
-    def _show_config(self, rest: list):
+    def _cmd_config(self, rest: list):
         from ..commands.env_cmd import config_section
 
         section = config_section()
@@ -169,3 +204,105 @@ class AccelerateMagics(Magics):
             print(f"Config in use: {section['path']}")
             for key, value in section["config"].items():
                 print(f"  {key}: {value}")
+
+    # -- interactive sessions ------------------------------------------------------------------
+    def _cmd_start(self, rest: list):
+        from . import session
+
+        args = start_parser().parse_args(rest)
+        try:
+            ks = session.start(self.shell, args.num_processes, args.start_method, args.mixed_precision,
+                               True if args.cpu else None)  # fmt: skip
+        except (RuntimeError, LaunchConfigError) as exc:
+            raise UsageError(f"%accelerate start: {exc}") from None
+        print(
+            f"session started: {ks.world} workers ({args.start_method}); %%accelerate cells now run on them"
+        )
+
+    def _cmd_stop(self, rest: list):
+        from . import session
+
+        print("session stopped" if session.stop() else "no session is running")
+
+    def _cmd_restart(self, rest: list):
+        ks = self._session("restart")
+        ks.session.restart()
+        print(f"session restarted: {ks.world} workers, fresh namespaces")
+
+    def _cmd_status(self, rest: list):
+        from . import session
+
+        ks = session.current()
+        if ks is None:
+            print("no session is running (%accelerate start -n N starts one)")
+            return
+        rows = ks.session.status()
+        print(f"{'rank':>4}  {'pid':>7}  {'state':<24}  {'device':<8}  {'memory':>10}")
+        for row in rows:
+            state = row["state"]
+            if state == "dead":
+                state += f" ({row['signal'] or 'exit code ' + str(row['exitcode'])})"
+            memory = f"{row['rss'] / 2**20:.0f} MiB" if row["rss"] else "-"
+            print(f"{row['rank']:>4}  {row['pid']:>7}  {state:<24}  {row['device'] or '-':<8}  {memory:>10}")
+        if session.auto():
+            print("auto mode: every cell runs on the workers (%accelerate auto off)")
+
+    def _cmd_push(self, rest: list):
+        names, ranks = _names_and_option(rest, "--ranks")
+        if not names:
+            raise UsageError("%accelerate push: name the variables to send, e.g. %accelerate push model data")
+        missing = [n for n in names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"%accelerate push: {', '.join(map(repr, missing))} not defined in the notebook")
+        ks = self._session("push")
+        try:
+            ks.session.push({n: self.shell.user_ns[n] for n in names}, ranks=ranks)
+        except (ValueError, SessionError) as exc:
+            raise UsageError(f"%accelerate push: {exc}") from None
+
+    def _cmd_pull(self, rest: list):
+        names, rank = _names_and_option(rest, "--rank")
+        if len(names) != 1:
+            raise UsageError("%accelerate pull: one name, e.g. %accelerate pull losses --rank 1")
+        ks = self._session("pull")
+        try:
+            value = ks.session.pull(names[0], int(rank) if rank is not None else 0)
+        except (ValueError, SessionError) as exc:
+            raise UsageError(f"%accelerate pull: {exc}") from None
+        self.shell.user_ns[names[0]] = value
+
+    def _cmd_auto(self, rest: list):
+        from . import session
+
+        if rest not in (["on"], ["off"]):
+            raise UsageError("%accelerate auto: on or off")
+        if rest == ["on"]:
+            self._session("auto on")
+        session.set_auto(self.shell, rest == ["on"])
+        print("auto mode on: every cell runs on the workers" if rest == ["on"] else "auto mode off")
+
+    def _session(self, what: str):
+        from . import session
+
+        ks = session.current()
+        if ks is None:
+            raise UsageError(f"%accelerate {what}: no session is running (%accelerate start -n N starts one)")
+        return ks
+
+
+def _names_and_option(words: list, option: str) -> tuple:
+    """(names, value of `option` or None) from e.g. ['a', 'b', '--ranks', '0,2']."""
+    names, value = [], None
+    it = iter(words)
+    for word in it:
+        if word == option:
+            value = next(it, None)
+            if value is None:
+                raise UsageError(f"{option} needs a value")
+        elif word.startswith("-"):
+            raise UsageError(f"unknown option {word!r} (expected {option})")
+        elif not word.isidentifier():
+            raise UsageError(f"{word!r} is not a variable name")
+        else:
+            names.append(word)
+    return names, value

@@ -177,7 +177,7 @@ class LaunchPanel(Sink):
         self._launches = getattr(self, "_launches", 0) + 1  # a panel may show several launches in turn
         if started is not None:
             first = started.node_rank * started.num_processes
-            for rank in range(first, first + started.num_processes):
+            for rank in started.ranks or range(first, first + started.num_processes):
                 self._ranks[rank] = _Rank(rank, self.max_lines)
 
     def _rank(self, rank: int) -> _Rank:

@@ -11,10 +11,14 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class LaunchStarted:
+    """`ranks` names the ranks taking part when they are not this node's block of num_processes
+    (a session cell sent to some workers only)."""
+
     num_processes: int
     start_method: str
     world_size: int
     node_rank: int = 0
+    ranks: tuple = ()
 
 
 @dataclass(frozen=True)

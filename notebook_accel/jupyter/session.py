@@ -1,0 +1,225 @@
+"""Interactive sessions in the kernel: `%accelerate start|stop|restart|status|push|pull|auto` and
+`%%accelerate` cells that run on live workers (notebook_accel.session) instead of a fresh launch.
+
+Workers' output arrives on the session's reader thread; it is queued there and handed to the
+running cell's sink (the launch panel, or rank-prefixed text) on the kernel's main thread, so it
+lands in the cell that is running, not in the one that started the session.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import time
+from typing import Optional
+
+from ..launch import events as ev
+from ..launch.sinks import Fanout
+from ..session import Session, SessionTimeout, WorkerDied, parse_ranks
+from . import cells
+
+_current: Optional["KernelSession"] = None
+_auto = False
+
+
+def current() -> Optional["KernelSession"]:
+    return _current
+
+
+class _Stop:
+    """The panel's Stop button for a session cell: interrupt the cell's ranks, keep the workers."""
+
+    def __init__(self, session: Session, ranks: list):
+        self.session, self.ranks, self.reason = session, ranks, ""
+
+    def request_stop(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        self.session.interrupt(self.ranks)
+
+
+class KernelSession:
+    def __init__(self, shell, num_processes: int, start_method: str, mixed_precision, cpu):
+        self.shell = shell
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.session = Session(num_processes, start_method, mixed_precision, cpu, on_output=self._on_output)
+        self.session.tick = self._pump
+        self.sink = None  # the running cell's sink; touched on the main thread only
+
+    @property
+    def world(self) -> int:
+        return len(self.session.status()) or (self.session.num_processes or 0)
+
+    def _on_output(self, rank: int, stream: str, text: str, transient: bool) -> None:
+        self.queue.put(ev.RankOutput(rank, stream, text, transient))  # the reader thread: no I/O here
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                event = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if self.sink is not None:
+                self.sink.handle(event)
+
+    # -- a cell on the workers ------------------------------------------------------------------
+    def run_cell(self, source: str, ranks=None, timeout: Optional[float] = None, out: tuple = ()) -> None:
+        from .. import launch
+
+        targets = parse_ranks(ranks, self.world)
+        number = self.shell.execution_count
+        filename = self.shell.compile.cache(source, number)
+        label = f"Cell In[{number}]"
+        pids = {row["rank"]: row["pid"] for row in self.session.status()}
+        self._pump()  # output that arrived between cells belongs to no cell: show it here
+        sink = Fanout(launch.launcher.default_sinks())
+        stop = _Stop(self.session, targets)
+        sink.attach(stop)
+        self.sink = sink
+        sink.handle(ev.LaunchStarted(len(targets), "session", self.world, ranks=tuple(targets)))
+        for rank in targets:
+            sink.handle(ev.RankStarted(rank, pids.get(rank, 0)))
+        started = time.monotonic()
+        try:
+            replies = self.session.run_cell(source, filename, ranks=targets, timeout=timeout)
+        except KeyboardInterrupt:
+            self._end(sink, started, {}, targets, "interrupted")
+            raise
+        except SessionTimeout as exc:
+            self._end(sink, started, exc.replies, targets, f"timed out after {timeout:g} s")
+            raise SessionCellTimeout(f"{exc}; the session goes on") from None
+        except WorkerDied as exc:
+            for rank, (code, sig) in exc.deaths.items():
+                sink.handle(ev.RankFailed(rank, pids.get(rank), code, signal_name=sig))
+            self._end(sink, started, exc.replies, targets, "", failed=tuple(sorted(exc.deaths)))
+            raise SessionCellError(str(exc)) from None
+        except BaseException:
+            self._end(sink, started, {}, targets, "failed")
+            raise
+        failed = self._report(sink, replies, pids, started)
+        self._end(sink, started, replies, targets, stop.reason, failed=failed)
+        if stop.reason:
+            raise SessionCellStopped(f"{stop.reason}: the ranks were interrupted; the session goes on")
+        if failed:
+            raise SessionCellError(_failure_text(replies, failed, filename, label))
+        self._show(replies[targets[0]])
+        if out:
+            for name in out:
+                self.shell.user_ns[name] = self.session.pull(name, targets[0])
+
+    def _report(self, sink, replies: dict, pids: dict, started: float) -> tuple:
+        failed = []
+        for rank, reply in sorted(replies.items()):
+            if reply.ok:
+                sink.handle(ev.RankFinished(rank, time.monotonic() - started))
+            else:
+                err = reply.error or {}
+                sink.handle(ev.RankFailed(rank, pids.get(rank), None, err.get("exc_type"), err.get("message", ""),
+                                          err.get("traceback", "")))  # fmt: skip
+                failed.append(rank)
+        return tuple(failed)
+
+    def _end(self, sink, started, replies, targets, stopped: str, failed: tuple = ()) -> None:
+        self._pump()
+        if stopped:
+            for rank in targets:
+                reply = replies.get(rank)
+                if reply is None or not reply.ok:
+                    sink.handle(ev.RankStopped(rank, stopped))
+        sink.handle(
+            ev.LaunchFinished(not failed and not stopped, time.monotonic() - started, failed, stopped)
+        )
+        sink.close()
+        self.sink = None
+
+    def _show(self, reply) -> None:
+        """Rank 0's (the first target's) figures, displays and the cell's value, in the cell."""
+        from IPython.display import publish_display_data
+
+        for bundle in reply.displays:
+            publish_display_data(bundle)
+        if reply.result:
+            publish_display_data(reply.result)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self.session.stop()
+
+
+class SessionCellError(cells._ShownShort, RuntimeError):
+    """A session cell raised on some ranks (or a worker died); the session goes on."""
+
+
+class SessionCellTimeout(SessionCellError, TimeoutError):
+    """A session cell ran past --timeout; its ranks were interrupted."""
+
+
+class SessionCellStopped(SessionCellError):
+    """A session cell was stopped from the panel; its ranks were interrupted."""
+
+
+def _failure_text(replies: dict, failed: tuple, filename: str, label: str) -> str:
+    first = replies[failed[0]].error or {}
+    lines = [f"rank {failed[0]} raised {first.get('exc_type')}: {first.get('message', '')}"]
+    if first.get("traceback"):
+        tb = first["traceback"].rstrip().replace(f'File "{filename}"', label)
+        lines += ["", f"Traceback from rank {failed[0]}:", tb]
+    for rank in failed[1:]:
+        err = replies[rank].error or {}
+        lines.append(f"also: rank {rank} raised {err.get('exc_type')}: {err.get('message', '')}")
+    lines.append("The session goes on: the workers keep their state.")
+    return "\n".join(lines)
+
+
+# -- %accelerate start/stop/... -------------------------------------------------------------------
+def start(shell, num_processes: int, start_method: str, mixed_precision, cpu) -> KernelSession:
+    global _current
+    if _current is not None:
+        raise RuntimeError(
+            f"a session with {_current.world} workers is running: %accelerate restart, or %accelerate stop first"
+        )
+    ks = KernelSession(shell, num_processes, start_method, mixed_precision, cpu)
+    ks.session.start()
+    _current = ks
+    return ks
+
+
+def stop() -> bool:
+    global _current, _auto
+    ks, _current = _current, None
+    _auto = False
+    if ks is None:
+        return False
+    ks.stop()
+    return True
+
+
+def set_auto(shell, on: bool) -> None:
+    global _auto
+    _auto = on
+    transformers = shell.input_transformers_cleanup
+    if on and route_cells not in transformers:
+        transformers.append(route_cells)
+    if not on and route_cells in transformers:
+        transformers.remove(route_cells)
+
+
+def auto() -> bool:
+    return _auto
+
+
+def route_cells(lines: list) -> list:
+    """In auto mode, every cell that is not itself a magic or a shell command runs on the workers."""
+    if not _auto or _current is None or not lines:
+        return lines
+    first = next((line.lstrip() for line in lines if line.strip()), "")
+    if not first or first.startswith(("%", "!", "?")):
+        return lines
+    return ["%%accelerate\n", *lines]
+
+
+@atexit.register
+def _stop_at_exit() -> None:  # a kernel shutting down takes its workers along (they also die with it)
+    try:
+        stop()
+    except Exception:
+        pass

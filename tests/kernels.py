@@ -1,0 +1,70 @@
+"""A real kernel driven over its own protocol (jupyter_client), for tests that interrupt it,
+click its widgets or watch its processes."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+from jupyter_client.manager import KernelManager
+
+from notebook_accel.demo import _kernel_manager_class
+
+
+@pytest.fixture
+def kernel(tmp_path, request):
+    widgets = getattr(request, "param", "0")
+    km: KernelManager = _kernel_manager_class()(kernel_name="python3")
+    env = {**os.environ, "NOTEBOOK_ACCEL_WIDGETS": widgets, "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+    km.start_kernel(env=env, extra_arguments=["--IPKernelApp.log_level=ERROR"], cwd=str(tmp_path))
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def run(kc, code: str, timeout: float = 60.0, on_message=None) -> dict:
+    """Execute `code`; returns {"reply": content, "errors": [...], "comms": {id: data}, "text": str}."""
+    msg_id = kc.execute(code)
+    seen = {"errors": [], "comms": {}, "text": "", "displays": []}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = kc.get_iopub_msg(timeout=0.2)
+        except Exception:
+            msg = None
+        if msg is not None and msg["parent_header"].get("msg_id") == msg_id:
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                seen["text"] += content["text"]
+            elif kind == "error":
+                seen["errors"].append(content)
+            elif kind in ("display_data", "execute_result"):
+                seen["displays"].append(content["data"])
+            elif kind == "comm_open":
+                seen["comms"][content["comm_id"]] = content["data"].get("state", {})
+            elif kind == "comm_msg" and content["data"].get("method") == "update":
+                seen["comms"].setdefault(content["comm_id"], {}).update(content["data"].get("state", {}))
+            elif kind == "status" and content["execution_state"] == "idle":
+                seen["reply"] = kc.get_shell_msg(timeout=10)["content"]
+                return seen
+        if on_message is not None:
+            on_message(seen)
+    raise AssertionError(f"cell did not finish in {timeout} s: {seen}")
+
+
+def kernel_children(km) -> list:
+    return [p for p in psutil.Process(km.provisioner.pid).children(recursive=True) if p.status() != "zombie"]
+
+
+def wait_for_files(folder, names, timeout=30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((folder / n).exists() for n in names):
+        assert time.monotonic() < deadline, f"ranks did not start: {list(folder.iterdir())}"
+        time.sleep(0.05)

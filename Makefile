@@ -32,7 +32,7 @@ browser:
 	fi
 
 lint: $(STAMP)
-	$(BIN)/ruff check notebook_accel tests benchmarks
+	$(BIN)/ruff check notebook_accel tests benchmarks tools
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir notebooks

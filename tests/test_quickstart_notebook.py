@@ -34,7 +34,7 @@ def executed():
 
 @pytest.mark.timeout(180)
 def test_kernel_runs_this_interpreter(executed):
-    first = executed[0][0]
+    first, _ = _cell(executed, "kernel python")
     assert f"kernel python: {sys.executable}\n" in first
     assert "notebook process:" in first
 
@@ -102,3 +102,10 @@ def test_demo_exits_nonzero_on_a_failing_cell(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "before" in out
     assert "FAILED in code cell 2" in err and "ValueError" in err and "on purpose" in err
+
+
+@pytest.mark.timeout(180)
+def test_loss_plot_is_drawn(executed):
+    text, cell = _cell(executed, "plt.subplots")
+    assert "plotted 20 points" in text
+    assert any("image/png" in o.get("data", {}) for o in cell.outputs), cell.outputs

@@ -50,6 +50,15 @@ class CellJob:
         return {name: ns[name] for name in self.out}
 
 
+def cell_number(shell) -> int:
+    """The running cell's prompt number (In[N]). IPython 9 has already counted the cell in
+    execution_count while it runs (older ones count it after), so ask the input history."""
+    history = getattr(getattr(shell, "history_manager", None), "input_hist_parsed", None)
+    if history:
+        return len(history) - 1
+    return shell.execution_count
+
+
 def names_read(code: types.CodeType) -> set:
     """Global names the code (and the functions and classes it defines) may read."""
     names = set(code.co_names)

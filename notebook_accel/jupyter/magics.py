@@ -136,7 +136,7 @@ class AccelerateMagics(Magics):
         if args.ranks is not None:
             raise UsageError("%%accelerate: --ranks needs a running session (%accelerate start -n N)")
         shell = self.shell
-        number = shell.execution_count
+        number = cells.cell_number(shell)
         filename = shell.compile.cache(cell, number)  # IPython's own name for this cell's code
         label = f"Cell In[{number}]"
         kwargs = launch_kwargs(args)

@@ -66,7 +66,7 @@ class KernelSession:
         from .. import launch
 
         targets = parse_ranks(ranks, self.world)
-        number = self.shell.execution_count
+        number = cells.cell_number(self.shell)
         filename = self.shell.compile.cache(source, number)
         label = f"Cell In[{number}]"
         pids = {row["rank"]: row["pid"] for row in self.session.status()}

@@ -136,6 +136,8 @@ def test_launch_from_a_real_kernel(kernel_env):
         assert error.ename == "LaunchFailedError"
         assert f"rank {rank} raised ZeroDivisionError: rank gave up in the cell" in error.evalue
         assert 'raise ZeroDivisionError("rank gave up in the cell")' in error.evalue, error.evalue
+        # The function was defined in the notebook's second cell, and is named as IPython names it.
+        assert re.search(r"Cell In\[2\], line \d+, in flaky", error.evalue), error.evalue
         assert "LaunchFailedError" in _strip_ansi("".join(error.traceback))
 
     # The kernel launches again at once, and nothing is left running.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import types
 from typing import Optional
 
@@ -59,6 +60,26 @@ def cell_number(shell) -> int:
     return shell.execution_count
 
 
+_FILE = re.compile(r'File "([^"]+)"')
+
+
+def relabel_cells(text: str, shell=None) -> str:
+    """`File "/tmp/ipykernel_1/123.py"` -> `Cell In[5]`, as IPython labels a cell's code."""
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    label = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if label is None:
+        return text
+
+    def one(match):
+        named = label(match.group(1))
+        return f"{named[0]} {named[1]}" if named else match.group(0)
+
+    return _FILE.sub(one, text)
+
+
 def names_read(code: types.CodeType) -> set:
     """Global names the code (and the functions and classes it defines) may read."""
     names = set(code.co_names)
@@ -103,7 +124,7 @@ class CellFailedError(_ShownShort, LaunchFailedError):
 
     def __init__(self, error: LaunchFailedError, filename: str, label: str):
         super().__init__(list(error.reports.values()))
-        self.args = (str(error).replace(f'File "{filename}"', label),)
+        self.args = (relabel_cells(str(error).replace(f'File "{filename}"', label)),)
 
 
 class CellUnpicklableError(_ShownShort, UnpicklableError):

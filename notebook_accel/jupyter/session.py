@@ -161,7 +161,7 @@ def _failure_text(replies: dict, failed: tuple, filename: str, label: str) -> st
     first = replies[failed[0]].error or {}
     lines = [f"rank {failed[0]} raised {first.get('exc_type')}: {first.get('message', '')}"]
     if first.get("traceback"):
-        tb = first["traceback"].rstrip().replace(f'File "{filename}"', label)
+        tb = cells.relabel_cells(first["traceback"].rstrip().replace(f'File "{filename}"', label))
         lines += ["", f"Traceback from rank {failed[0]}:", tb]
     for rank in failed[1:]:
         err = replies[rank].error or {}

@@ -10,7 +10,7 @@ from typing import Optional
 
 from . import events as ev
 from .control import LaunchControl
-from .errors import LaunchConfigError, LaunchStoppedError, LaunchTimeoutError
+from .errors import LaunchConfigError, LaunchFailedError, LaunchStoppedError, LaunchTimeoutError
 from .plan import LaunchPlan, default, make_plan
 from .sinks import ConsoleSink, Fanout
 
@@ -66,6 +66,12 @@ def notebook_launcher(
     try:
         sink.attach(control)
         return run_plan(plan, function, tuple(args), sink, control)
+    except LaunchFailedError as exc:
+        if "ipykernel" in sys.modules:  # name notebook cells as IPython does: Cell In[N]
+            from ..jupyter.cells import relabel_cells
+
+            exc.args = (relabel_cells(exc.args[0]),)
+        raise
     finally:
         sink.close()
         control.close()

@@ -34,23 +34,26 @@ browser:
 lint: $(STAMP)
 	$(BIN)/ruff check notebook_accel tests benchmarks tools
 
-lab: $(STAMP)
+lab: $(STAMP) labextension-dev
 	$(BIN)/jupyter lab --notebook-dir notebooks
 
-# Benchmarks run in their own venv: accelerate 1.15.0 is installed only there, to measure against.
+# Benchmarks run in their own venv: accelerate 1.15.0 and ipyparallel 9.2.0 are installed only there, to
+# measure against.
 BENCH_VENV := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
 $(BENCH_STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install -q -r requirements-dev.txt accelerate==1.15.0
+	$(BENCH_VENV)/bin/python -m pip install -q -r requirements-dev.txt accelerate==1.15.0 ipyparallel==9.2.0
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python benchmarks/launch.py
 	$(BENCH_VENV)/bin/python benchmarks/step_overhead.py
 	$(BENCH_VENV)/bin/python benchmarks/offload.py
+	$(BENCH_VENV)/bin/python benchmarks/session.py
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) build dist *.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) .venv-binder build dist *.egg-info extension/node_modules extension/lib \
+		extension/test-build notebook_accel/labextension

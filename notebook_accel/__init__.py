@@ -59,5 +59,10 @@ def __getattr__(name: str):
     return value
 
 
+def _jupyter_labextension_paths():
+    """Where the prebuilt JupyterLab extension lives in this package (for `jupyter labextension`)."""
+    return [{"src": "labextension", "dest": "notebook-accel-labextension"}]
+
+
 def __dir__():
     return __all__

@@ -38,9 +38,11 @@ def widgets_enabled() -> bool:
 
 def load_ipython_extension(ipython) -> None:
     """`%load_ext notebook_accel`: register %accelerate and %%accelerate."""
+    from .comm import register_comm_target
     from .magics import AccelerateMagics
 
     ipython.register_magics(AccelerateMagics)
+    register_comm_target(ipython)  # the JupyterLab extension's link to this kernel
 
 
 def unload_ipython_extension(ipython) -> None:

@@ -78,14 +78,17 @@ def notebook_launcher(
 
 
 def default_sinks() -> list:
-    """The live launch panel in a kernel with widgets (unless NOTEBOOK_ACCEL_WIDGETS=0), else text."""
+    """The live launch panel in a kernel with widgets (unless NOTEBOOK_ACCEL_WIDGETS=0), else text;
+    plus the JupyterLab extension's sink while it is connected to this kernel."""
     if "ipykernel" in sys.modules:  # cheap test first: never import IPython outside a kernel
         from ..jupyter import widgets_enabled
+        from ..jupyter.comm import active_sinks  # the JupyterLab extension, when it is connected
 
         if widgets_enabled():
             from ..jupyter.panel import LaunchPanel
 
-            return [LaunchPanel()]
+            return [LaunchPanel(), *active_sinks()]
+        return [ConsoleSink(), *active_sinks()]
     return [ConsoleSink()]
 
 

@@ -1,0 +1,199 @@
+import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { ICommandPalette, Notification } from '@jupyterlab/apputils';
+import { CodeCell } from '@jupyterlab/cells';
+import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { OutputArea } from '@jupyterlab/outputarea';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { IStatusBar } from '@jupyterlab/statusbar';
+import { CommandToolbarButton } from '@jupyterlab/ui-components';
+import { Widget } from '@lumino/widgets';
+import { KernelLink } from './link';
+import { acceleratorIcon } from './icon';
+import { hardwareSummary, LaunchModel, statusText } from './model';
+import { renderPanel } from './render';
+import { runCellCode, toggleSessionCode } from './code';
+
+const PLUGIN_ID = 'notebook-accel-labextension:plugin';
+const PANEL_ID = 'notebook-accel-panel';
+
+export const CommandIDs = {
+  runCell: 'notebook-accel:run-cell',
+  toggleSession: 'notebook-accel:toggle-session',
+  openPanel: 'notebook-accel:open-panel'
+};
+
+function activate(
+  app: JupyterFrontEnd,
+  tracker: INotebookTracker,
+  settings: ISettingRegistry | null,
+  statusBar: IStatusBar | null,
+  palette: ICommandPalette | null
+): void {
+  let numProcesses = 2;
+  const links = new Map<NotebookPanel, KernelLink>();
+  const linkOf = (panel: NotebookPanel | null) => (panel ? links.get(panel) : undefined);
+
+  const status = new Widget();
+  status.addClass('nacc-x-status');
+  status.node.title = 'notebook_accel: click for launches and hardware';
+  status.node.addEventListener('click', () => app.commands.execute(CommandIDs.openPanel));
+
+  const sidebar = new Widget();
+  sidebar.id = PANEL_ID;
+  sidebar.addClass('nacc-x-panel');
+  sidebar.title.icon = acceleratorIcon;
+  sidebar.title.caption = 'notebook_accel launches';
+  sidebar.node.addEventListener('click', event => {
+    const action = (event.target as HTMLElement).closest('[data-action]')?.getAttribute('data-action');
+    const link = linkOf(tracker.currentWidget);
+    if (!action || !link) {
+      return;
+    }
+    if (action === 'connect') {
+      link.connect();
+    } else {
+      link.send({ type: action }); // "stop" or "refresh"
+    }
+  });
+
+  const draw = () => {
+    const panel = tracker.currentWidget;
+    const link = linkOf(panel);
+    const text = link ? statusText(link.model, numProcesses) : 'not connected';
+    status.node.textContent = `⚡ ${text}`;
+    status.node.dataset.state = link?.model.current?.finished ? 'finished' : link?.model.current ? 'running' : '';
+    if (link?.model.hello) {
+      status.node.title = `notebook_accel: ${hardwareSummary(link.model.hello, numProcesses)}; click for details`;
+    }
+    sidebar.node.innerHTML = renderPanel(link?.model ?? new LaunchModel(), panel?.title.label ?? 'no notebook');
+  };
+  // Elapsed times move while a launch runs.
+  window.setInterval(() => {
+    const current = linkOf(tracker.currentWidget)?.model.current;
+    if (current && !current.finished) {
+      draw();
+    }
+  }, 1000);
+
+  tracker.widgetAdded.connect((_, panel) => {
+    const link = new KernelLink(panel.sessionContext);
+    links.set(panel, link);
+    link.changed.connect(() => {
+      if (panel === tracker.currentWidget) {
+        draw();
+      }
+    });
+    panel.disposed.connect(() => {
+      link.dispose();
+      links.delete(panel);
+    });
+  });
+  tracker.currentChanged.connect(draw);
+
+  app.commands.addCommand(CommandIDs.openPanel, {
+    label: 'Show notebook_accel launches',
+    execute: () => {
+      app.shell.activateById(PANEL_ID);
+      draw();
+    }
+  });
+
+  app.commands.addCommand(CommandIDs.runCell, {
+    label: () => `Run cell on ${numProcesses} processes`,
+    caption: () => `Run the active cell with %%accelerate -n ${numProcesses} (the cell is not edited)`,
+    icon: acceleratorIcon,
+    isEnabled: () => tracker.activeCell?.model.type === 'code',
+    execute: async () => {
+      const panel = tracker.currentWidget;
+      const cell = tracker.activeCell;
+      if (!panel || !(cell instanceof CodeCell)) {
+        return;
+      }
+      const model = cell.model;
+      const code = runCellCode(model.sharedModel.getSource(), numProcesses);
+      model.clearExecution();
+      cell.outputHidden = false;
+      model.executionState = 'running';
+      model.trusted = true; // the person ran it: render its widgets (the launch panel), not their text
+      try {
+        const reply = await OutputArea.execute(code, cell.outputArea, panel.sessionContext, {
+          cellId: model.sharedModel.getId()
+        });
+        model.executionCount = reply?.content.execution_count ?? null;
+      } catch (err) {
+        console.warn('notebook_accel: run cell failed', err);
+      } finally {
+        model.executionState = 'idle';
+      }
+    }
+  });
+
+  app.commands.addCommand(CommandIDs.toggleSession, {
+    label: () => `Start / stop a session (${numProcesses} workers)`,
+    execute: async () => {
+      const kernel = tracker.currentWidget?.sessionContext.session?.kernel;
+      if (!kernel) {
+        return;
+      }
+      let text = '';
+      const future = kernel.requestExecute({ code: toggleSessionCode(numProcesses), silent: false });
+      future.onIOPub = msg => {
+        const content = msg.content as any;
+        if (msg.header.msg_type === 'stream') {
+          text += content.text;
+        } else if (msg.header.msg_type === 'error') {
+          text += `${content.ename}: ${content.evalue}`;
+        }
+      };
+      const reply = await future.done;
+      const show = reply.content.status === 'ok' ? Notification.info : Notification.error;
+      show(text.trim() || 'done', { autoClose: 5000 });
+    }
+  });
+
+  if (palette) {
+    for (const command of Object.values(CommandIDs)) {
+      palette.addItem({ command, category: 'notebook_accel' });
+    }
+  }
+
+  app.docRegistry.addWidgetExtension('Notebook', {
+    createNew: (panel: NotebookPanel) => {
+      const button = new CommandToolbarButton({ commands: app.commands, id: CommandIDs.runCell, label: '' });
+      panel.toolbar.insertAfter('run', 'notebook-accel-run', button);
+      return button;
+    }
+  });
+
+  app.shell.add(sidebar, 'right', { rank: 900 });
+  if (statusBar) {
+    statusBar.registerStatusItem('notebook-accel:status', { item: status, align: 'left', rank: 4 });
+  }
+
+  if (settings) {
+    const apply = (s: ISettingRegistry.ISettings) => {
+      numProcesses = (s.get('numProcesses').composite as number) || 2;
+      app.commands.notifyCommandChanged();
+      draw();
+    };
+    settings
+      .load(PLUGIN_ID)
+      .then(s => {
+        apply(s);
+        s.changed.connect(apply);
+      })
+      .catch(err => console.warn('notebook_accel: settings not loaded', err));
+  }
+  draw();
+}
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: PLUGIN_ID,
+  description: 'Status, launches and "Run cell on N processes" for notebook_accel kernels.',
+  autoStart: true,
+  requires: [INotebookTracker],
+  optional: [ISettingRegistry, IStatusBar, ICommandPalette],
+  activate
+};
+
+export default plugin;

@@ -1,0 +1,205 @@
+// What the kernel's "notebook_accel" comm has said, folded into plain state.
+// No JupyterLab imports here: the unit tests run this under plain node.
+
+export interface Preview {
+  rows: [string, string][];
+  notes: string[];
+  error: string | null;
+}
+
+export interface Hello {
+  type: 'hello';
+  version?: string;
+  hardware: any;
+  hardware_error?: string;
+  preview: Preview | null;
+}
+
+export type RankState = 'running' | 'done' | 'failed' | 'stopped';
+
+export interface RankView {
+  rank: number;
+  state: RankState;
+  pid?: number;
+  startedAt: number; // ms, this browser's clock
+  seconds?: number; // set when the rank ended
+  detail: string;
+  lines: { stream: string; text: string; transient: boolean }[];
+  dropped: number;
+}
+
+export interface LaunchView {
+  id: number;
+  startedAt: number;
+  numProcesses: number;
+  startMethod: string;
+  ranks: Map<number, RankView>;
+  finished?: { ok: boolean; seconds: number; stopped: string; failedRanks: number[] };
+}
+
+export const KEEP_LAUNCHES = 5;
+export const KEEP_LINES = 50;
+
+export class LaunchModel {
+  hello: Hello | null = null;
+  launches: LaunchView[] = []; // newest first
+
+  get connected(): boolean {
+    return this.hello !== null;
+  }
+
+  get current(): LaunchView | undefined {
+    return this.launches[0];
+  }
+
+  /** Forget everything (a new or restarted kernel). */
+  reset(): void {
+    this.hello = null;
+    this.launches = [];
+  }
+
+  /** Fold one comm message in; false when it was not one of ours. */
+  apply(msg: any, now: number = Date.now()): boolean {
+    if (!msg || typeof msg !== 'object') {
+      return false;
+    }
+    if (msg.type === 'hello') {
+      this.hello = msg as Hello;
+      return true;
+    }
+    if (msg.type !== 'event' || typeof msg.launch !== 'number') {
+      return false;
+    }
+    const launch = this.launch(msg.launch, now);
+    switch (msg.event) {
+      case 'LaunchStarted':
+        launch.numProcesses = msg.num_processes;
+        launch.startMethod = msg.start_method;
+        return true;
+      case 'RankStarted':
+        launch.ranks.set(msg.rank, newRank(msg.rank, now, msg.pid));
+        return true;
+      case 'RankOutput':
+        addLines(rankOf(launch, msg.rank, now), msg.lines ?? [], msg.dropped ?? 0);
+        return true;
+      case 'RankFinished':
+        endRank(rankOf(launch, msg.rank, now), 'done', '', now);
+        return true;
+      case 'RankFailed':
+        endRank(rankOf(launch, msg.rank, now), 'failed', msg.summary ?? '', now);
+        return true;
+      case 'RankStopped':
+        endRank(rankOf(launch, msg.rank, now), 'stopped', msg.reason ?? '', now);
+        return true;
+      case 'LaunchFinished':
+        launch.finished = {
+          ok: !!msg.ok,
+          seconds: msg.seconds ?? 0,
+          stopped: msg.stopped ?? '',
+          failedRanks: msg.failed_ranks ?? []
+        };
+        for (const r of launch.ranks.values()) {
+          if (r.state === 'running') {
+            endRank(r, 'stopped', launch.finished.stopped, now);
+          }
+        }
+        return true;
+      default:
+        return false;
+    }
+  }
+
+  private launch(id: number, now: number): LaunchView {
+    let launch = this.launches.find(l => l.id === id);
+    if (!launch) {
+      // Also for a launch whose start we missed (the page opened mid-launch).
+      launch = { id, startedAt: now, numProcesses: 0, startMethod: '', ranks: new Map() };
+      this.launches.unshift(launch);
+      this.launches.length = Math.min(this.launches.length, KEEP_LAUNCHES);
+    }
+    return launch;
+  }
+}
+
+function newRank(rank: number, now: number, pid?: number): RankView {
+  return { rank, state: 'running', pid, startedAt: now, detail: '', lines: [], dropped: 0 };
+}
+
+function rankOf(launch: LaunchView, rank: number, now: number): RankView {
+  let r = launch.ranks.get(rank);
+  if (!r) {
+    r = newRank(rank, now);
+    launch.ranks.set(rank, r);
+  }
+  return r;
+}
+
+function addLines(r: RankView, lines: [string, string, boolean][], dropped: number): void {
+  r.dropped += dropped;
+  for (const [stream, text, transient] of lines) {
+    const last = r.lines[r.lines.length - 1];
+    if (last && last.transient && last.stream === stream) {
+      r.lines.pop(); // a progress bar redraws itself
+    }
+    r.lines.push({ stream, text, transient: !!transient });
+  }
+  if (r.lines.length > KEEP_LINES) {
+    r.dropped += r.lines.length - KEEP_LINES;
+    r.lines.splice(0, r.lines.length - KEEP_LINES);
+  }
+}
+
+function endRank(r: RankView, state: RankState, detail: string, now: number): void {
+  r.state = state;
+  r.detail = detail;
+  r.seconds = (now - r.startedAt) / 1000;
+}
+
+export function formatSeconds(s: number): string {
+  return s < 60 ? `${s.toFixed(1)} s` : `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+}
+
+/** "2 x CPU · MULTI_CPU": what "Run cell on N processes" would use here. */
+export function hardwareSummary(hello: Hello, numProcesses: number): string {
+  const rows = new Map(hello.preview?.rows ?? []);
+  const accelerators: any[] = hello.hardware?.accelerators ?? [];
+  if (hello.preview?.error) {
+    return `launch would fail: ${hello.preview.error}`;
+  }
+  let count = parseInt(rows.get('Processes') ?? '1', 10) || 1;
+  let type = rows.get('Distributed type') ?? '?';
+  const withN = [...rows.keys()].find(k => k.startsWith('With num_processes'));
+  if (count === 1 && withN) {
+    // One process is only the default without accelerators; the command asks for N.
+    count = numProcesses;
+    type = (rows.get(withN) ?? type).split(' ')[0];
+  }
+  const device = accelerators.length ? accelerators[0].name : 'CPU';
+  return `${count} x ${device} · ${type}`;
+}
+
+/** The status bar's text for the active notebook's kernel. */
+export function statusText(model: LaunchModel, numProcesses: number): string {
+  if (!model.hello) {
+    return 'not connected';
+  }
+  const launch = model.current;
+  if (!launch) {
+    return hardwareSummary(model.hello, numProcesses);
+  }
+  const ranks = [...launch.ranks.values()].sort((a, b) => a.rank - b.rank);
+  const failed = ranks.filter(r => r.state === 'failed').map(r => r.rank);
+  if (failed.length) {
+    return failed.length === 1 ? `rank ${failed[0]} failed` : `ranks ${failed.join(', ')} failed`;
+  }
+  if (launch.finished) {
+    const took = formatSeconds(launch.finished.seconds);
+    if (launch.finished.stopped) {
+      return `stopped after ${took}`;
+    }
+    return launch.finished.ok ? `finished in ${took}` : `failed after ${took}`;
+  }
+  const total = launch.numProcesses || ranks.length;
+  const running = ranks.filter(r => r.state === 'running').length;
+  return `${running}/${total} ranks running`;
+}

@@ -1,0 +1,119 @@
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { hardwareSummary, LaunchModel, statusText } from '../src/model';
+import { runCellCode, toggleSessionCode } from '../src/code';
+
+const HELLO = {
+  type: 'hello',
+  hardware: { accelerators: [], logical_cores: 4, cpu_model: 'AMD EPYC', ram_total: 2 ** 33 },
+  preview: {
+    rows: [
+      ['Distributed type', 'NO'],
+      ['Processes', '1'],
+      ['With num_processes=N', 'MULTI_CPU on gloo, N CPU processes']
+    ],
+    notes: [],
+    error: null
+  }
+};
+
+function ev(event: string, fields: object = {}, launch = 1) {
+  return { type: 'event', launch, event, ...fields };
+}
+
+function started(model: LaunchModel, n = 2, launch = 1): void {
+  model.apply(ev('LaunchStarted', { num_processes: n, start_method: 'fork' }, launch), 0);
+  for (let r = 0; r < n; r++) {
+    model.apply(ev('RankStarted', { rank: r, pid: 100 + r }, launch), 0);
+  }
+}
+
+test('not connected until the hello, then the hardware summary', () => {
+  const model = new LaunchModel();
+  assert.equal(statusText(model, 2), 'not connected');
+  assert.equal(model.apply({ type: 'something else' }), false);
+  assert.equal(model.apply(HELLO), true);
+  assert.equal(statusText(model, 2), '2 x CPU · MULTI_CPU');
+  assert.equal(statusText(model, 3), '3 x CPU · MULTI_CPU');
+});
+
+test('the summary names accelerators and a launch that would fail', () => {
+  const gpus = {
+    ...HELLO,
+    hardware: { accelerators: [{ name: 'NVIDIA H200' }, { name: 'NVIDIA H200' }] },
+    preview: { rows: [['Distributed type', 'MULTI_GPU'], ['Processes', '2']], notes: [], error: null }
+  } as any;
+  assert.equal(hardwareSummary(gpus, 4), '2 x NVIDIA H200 · MULTI_GPU');
+  const broken = { ...HELLO, preview: { rows: [], notes: [], error: 'no port' } } as any;
+  assert.equal(hardwareSummary(broken, 2), 'launch would fail: no port');
+});
+
+test('a launch: running, then finished', () => {
+  const model = new LaunchModel();
+  model.apply(HELLO);
+  model.apply(ev('LaunchStarted', { num_processes: 2, start_method: 'fork' }), 0);
+  model.apply(ev('RankStarted', { rank: 0, pid: 10 }), 0);
+  assert.equal(statusText(model, 2), '1/2 ranks running');
+  model.apply(ev('RankStarted', { rank: 1, pid: 11 }), 0);
+  assert.equal(statusText(model, 2), '2/2 ranks running');
+  model.apply(ev('RankFinished', { rank: 0, seconds: 1 }), 1000);
+  assert.equal(statusText(model, 2), '1/2 ranks running');
+  model.apply(ev('RankFinished', { rank: 1, seconds: 1 }), 1200);
+  model.apply(ev('LaunchFinished', { ok: true, seconds: 1.23, failed_ranks: [], stopped: '' }), 1200);
+  assert.equal(statusText(model, 2), 'finished in 1.2 s');
+  assert.equal(model.current?.ranks.get(1)?.state, 'done');
+  assert.equal(model.current?.ranks.get(1)?.seconds, 1.2);
+});
+
+test('a failed rank and a stopped launch', () => {
+  const model = new LaunchModel();
+  model.apply(HELLO);
+  started(model);
+  model.apply(ev('RankFailed', { rank: 1, pid: 101, exitcode: 1, summary: 'rank 1 raised ValueError: x' }), 500);
+  assert.equal(statusText(model, 2), 'rank 1 failed');
+  assert.equal(model.current?.ranks.get(1)?.detail, 'rank 1 raised ValueError: x');
+
+  started(model, 2, 2);
+  assert.equal(model.launches.length, 2);
+  assert.equal(statusText(model, 2), '2/2 ranks running'); // the newest launch counts
+  model.apply(ev('LaunchFinished', { ok: false, seconds: 3, failed_ranks: [], stopped: 'stopped from X' }, 2), 3000);
+  assert.equal(statusText(model, 2), 'stopped after 3.0 s');
+  assert.equal(model.current?.ranks.get(0)?.state, 'stopped'); // no rank is left "running"
+});
+
+test('output lines: batched, capped, progress bars replace themselves', () => {
+  const model = new LaunchModel();
+  started(model, 1);
+  model.apply(ev('RankOutput', { rank: 0, lines: [['stdout', 'a', false], ['stderr', '10%', true]], dropped: 3 }));
+  model.apply(ev('RankOutput', { rank: 0, lines: [['stderr', '50%', true]], dropped: 0 }));
+  const r = model.current!.ranks.get(0)!;
+  assert.deepEqual(r.lines.map(l => l.text), ['a', '50%']);
+  assert.equal(r.dropped, 3);
+  const many = Array.from({ length: 60 }, (_, i) => ['stdout', `line ${i}`, false]);
+  model.apply(ev('RankOutput', { rank: 0, lines: many, dropped: 0 }));
+  assert.equal(r.lines.length, 50);
+  assert.equal(r.lines[49].text, 'line 59');
+  assert.equal(r.dropped, 3 + 12);
+});
+
+test('events of a launch whose start was missed, and only five launches kept', () => {
+  const model = new LaunchModel();
+  model.apply(ev('RankOutput', { rank: 1, lines: [['stdout', 'x', false]], dropped: 0 }, 7));
+  assert.equal(model.current?.id, 7);
+  assert.equal(model.current?.ranks.get(1)?.state, 'running');
+  for (let id = 8; id < 20; id++) {
+    started(model, 1, id);
+  }
+  assert.equal(model.launches.length, 5);
+  assert.equal(model.current?.id, 19);
+  model.reset();
+  assert.equal(model.launches.length, 0);
+  assert.equal(model.connected, false);
+});
+
+test('the code the commands send', () => {
+  const code = runCellCode('print("rank", 1)\nx = \'\\n\'', 3);
+  assert.match(code, /^get_ipython\(\)\.run_cell_magic\('accelerate', '' if .* else "-n 3 --port auto", /);
+  assert.ok(code.endsWith(`${JSON.stringify('print("rank", 1)\nx = \'\\n\'')})`));
+  assert.match(toggleSessionCode(4), /'stop' if .* else 'start -n 4'\)$/);
+});

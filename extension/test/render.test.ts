@@ -1,0 +1,40 @@
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { LaunchModel } from '../src/model';
+import { esc, renderPanel } from '../src/render';
+
+test('escapes everything it shows', () => {
+  assert.equal(esc('<b a="1">&'), '&lt;b a=&quot;1&quot;&gt;&amp;');
+  const model = new LaunchModel();
+  model.apply({ type: 'hello', hardware: { cpu_model: '<script>', accelerators: [] }, preview: null });
+  model.apply({ type: 'event', launch: 1, event: 'RankOutput', rank: 0, lines: [['stdout', '<img>', false]] });
+  const html = renderPanel(model, 'nb.ipynb', 0);
+  assert.ok(!html.includes('<script>') && !html.includes('<img>'));
+  assert.ok(html.includes('&lt;img&gt;'));
+});
+
+test('not connected: says how to connect', () => {
+  const html = renderPanel(new LaunchModel(), 'nb.ipynb');
+  assert.match(html, /Not connected/);
+  assert.match(html, /data-action="connect"/);
+});
+
+test('a running launch has a Stop button and per-rank rows; a finished one has none', () => {
+  const model = new LaunchModel();
+  model.apply({ type: 'hello', hardware: { accelerators: [] }, preview: { rows: [['Processes', '1']], notes: [], error: null } });
+  model.apply({ type: 'event', launch: 1, event: 'LaunchStarted', num_processes: 2, start_method: 'fork' }, 0);
+  for (const rank of [0, 1]) {
+    model.apply({ type: 'event', launch: 1, event: 'RankStarted', rank, pid: 10 + rank }, 0);
+  }
+  let html = renderPanel(model, 'nb.ipynb', 2500);
+  assert.match(html, /data-action="stop"/);
+  assert.equal((html.match(/class="nacc-x-rank"/g) ?? []).length, 2);
+  assert.match(html, /2\.5 s/);
+  for (const rank of [0, 1]) {
+    model.apply({ type: 'event', launch: 1, event: 'RankFinished', rank, seconds: 1 }, 1000);
+  }
+  model.apply({ type: 'event', launch: 1, event: 'LaunchFinished', ok: true, seconds: 1, failed_ranks: [], stopped: '' });
+  html = renderPanel(model, 'nb.ipynb', 5000);
+  assert.doesNotMatch(html, /data-action="stop"/);
+  assert.equal((html.match(/data-state="done"/g) ?? []).length, 3); // the launch and both ranks
+});

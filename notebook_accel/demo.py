@@ -17,7 +17,8 @@ from typing import Optional
 CELL_TIMEOUT_S = 120
 
 
-def _kernel_manager_class():
+def _kernel_manager_class(python: Optional[str] = None):
+    """A kernel manager whose "python3" kernel runs `python` (default: this interpreter)."""
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
     from jupyter_client.manager import KernelManager
 
@@ -27,7 +28,10 @@ def _kernel_manager_class():
             if kernel_name == "python3":
                 from ipykernel.kernelspec import RESOURCES, get_kernel_dict
 
-                return KernelSpec(resource_dir=RESOURCES, **get_kernel_dict())
+                spec = get_kernel_dict()
+                if python:
+                    spec["argv"] = [python, *spec["argv"][1:]]
+                return KernelSpec(resource_dir=RESOURCES, **spec)
             return super().get_kernel_spec(kernel_name)
 
     class ThisPythonKernelManager(KernelManager):
@@ -37,12 +41,13 @@ def _kernel_manager_class():
     return ThisPythonKernelManager
 
 
-def run_notebook(path: str, timeout: int = CELL_TIMEOUT_S, widgets: bool = False):
+def run_notebook(path: str, timeout: int = CELL_TIMEOUT_S, widgets: bool = False, python: Optional[str] = None):
     """Execute the notebook at `path` (cwd: its folder). Returns (notebook, error or None);
     on a failing cell the notebook holds the outputs up to and including that cell.
 
     `widgets=False` makes launches print rank-prefixed text (what a terminal can show) instead
-    of drawing the live panel, whose content would only be in the saved widget state."""
+    of drawing the live panel, whose content would only be in the saved widget state. `python`
+    runs the kernel on another interpreter (a venv's), which needs ipykernel."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -52,7 +57,7 @@ def run_notebook(path: str, timeout: int = CELL_TIMEOUT_S, widgets: bool = False
         nb,
         timeout=timeout,
         kernel_name="python3",
-        kernel_manager_class=_kernel_manager_class(),
+        kernel_manager_class=_kernel_manager_class(python),
         # ipykernel 7 warns on every start that local TCP is unencrypted: noise for a local demo.
         extra_arguments=["--IPKernelApp.log_level=ERROR"],
         resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}},

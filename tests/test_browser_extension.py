@@ -115,3 +115,148 @@ def test_status_bar_sidebar_and_run_on_n_processes(jupyter_lab, browser_page, tm
     assert page.locator(".lm-CommandPalette-item", has_text="Run cell on 2 processes").count() >= 1
     page.keyboard.press("Escape")
     assert not [e for e in page.console_errors if "notebook_accel" in e or "nacc" in e], page.console_errors
+
+
+SIDEBAR = "#notebook-accel-panel"
+LIVE_SESSION = f'{SIDEBAR} .nacc-x-session[data-state="running"]'
+
+
+def palette_run(page, label: str) -> None:
+    page.keyboard.press("Control+Shift+C")
+    page.locator(".lm-CommandPalette-input").fill(label)
+    page.locator(".lm-CommandPalette-item", has_text=label).first.click()
+
+
+def session_pids(page) -> list:
+    return page.locator(f"{LIVE_SESSION} .nacc-x-srank td:nth-child(3)").all_inner_texts()
+
+
+def extension_errors(page) -> list:
+    return [
+        e for e in page.console_errors if "notebook_accel" in e or "nacc" in e or e.startswith("pageerror")
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_session_command_restart_and_stop_in_the_sidebar(jupyter_lab, browser_page, tmp_path):  # noqa: F811
+    require_extension()
+    page = browser_page
+    write_notebook(jupyter_lab.root, "session.ipynb", [SETUP])
+    open_notebook(page, jupyter_lab, "session.ipynb")
+    run_cell(page, 0)
+    wait_status(page, r"\d+ x \S+ · \S+")
+    page.locator(STATUS).click()
+    sidebar = page.locator(SIDEBAR)
+    sidebar.wait_for(state="visible", timeout=10_000)
+    assert "No session running" in sidebar.inner_text()
+
+    # The palette's "Start / stop a session" starts 2 workers; the sidebar and status bar show them.
+    palette_run(page, "Start / stop a session")
+    page.locator(LIVE_SESSION).wait_for(timeout=120_000)
+    rows = page.locator(f"{LIVE_SESSION} .nacc-x-srank")
+    assert rows.count() == 2
+    assert [rows.nth(i).get_attribute("data-state") for i in range(2)] == ["idle", "idle"]
+    first = session_pids(page)
+    assert all(pid.isdigit() for pid in first), first
+    assert "session: 2 workers" in wait_status(page, "session: 2 workers")
+    screenshot(page, tmp_path / "1-session.png")
+
+    # Restart: new workers, new pids.
+    page.locator(f'{LIVE_SESSION} [data-action="restart"]').click()
+    page.wait_for_function(
+        "(old) => { const c = document.querySelectorAll("
+        f"{json.dumps(LIVE_SESSION + ' .nacc-x-srank td:nth-child(3)')});"
+        " return c.length === 2 && [...c].every((td, i) => /^\\d+$/.test(td.textContent) && td.textContent !== old[i]); }",
+        arg=first,
+        timeout=120_000,
+    )
+    assert sidebar.locator(".nacc-x-session").first.get_attribute("data-state") == "running"
+    assert "restarted 1x" in sidebar.inner_text()
+    screenshot(page, tmp_path / "2-restarted.png")
+
+    # The same command again stops it.
+    palette_run(page, "Start / stop a session")
+    sidebar.locator('.nacc-x-session[data-state="stopped"]').wait_for(timeout=60_000)
+    assert page.locator(LIVE_SESSION).count() == 0
+    assert sidebar.locator('[data-action="start_session"]').count() == 1
+    assert "session:" not in wait_status(page, r"^⚡ [^·]+· [^·]+$")
+    screenshot(page, tmp_path / "3-stopped.png")
+    assert not extension_errors(page), page.console_errors
+
+
+@pytest.mark.timeout(180)
+def test_a_kernel_without_the_extension_stays_not_connected(jupyter_lab, browser_page, tmp_path):  # noqa: F811
+    require_extension()
+    page = browser_page
+    write_notebook(jupyter_lab.root, "plain.ipynb", ["x = 20", "print(x + 22)"])
+    open_notebook(page, jupyter_lab, "plain.ipynb")
+    run_cell(page, 0)
+    run_cell(page, 1)
+    wait_for_output(page, "42")
+    page.locator(STATUS).click()
+    sidebar = page.locator(SIDEBAR)
+    sidebar.wait_for(state="visible", timeout=10_000)
+    assert "Not connected" in sidebar.inner_text()
+    sidebar.locator('[data-action="connect"]').click()  # the kernel has no such target: still nothing
+    page.wait_for_timeout(2000)
+    assert "not connected" in status_text(page)
+    assert "Not connected" in sidebar.inner_text()
+    assert sidebar.locator(".nacc-x-session, [data-action=restart]").count() == 0
+    screenshot(page, tmp_path / "not-connected.png")
+    assert not extension_errors(page), page.console_errors
+
+
+def _luminance(css_color: str) -> float:
+    r, g, b = (int(v) for v in re.findall(r"\d+", css_color)[:3])
+    return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+
+@pytest.mark.timeout(300)
+def test_dark_theme_sidebar_and_status_bar(jupyter_lab, browser_page, tmp_path):  # noqa: F811
+    require_extension()
+    page = browser_page
+    write_notebook(jupyter_lab.root, "dark.ipynb", [SETUP + "\n%accelerate start -n 2"])
+    open_notebook(page, jupyter_lab, "dark.ipynb")
+    run_cell(page, 0)
+    wait_status(page, "session: 2 workers", timeout=120)
+
+    page.locator("li.lm-MenuBar-item", has_text=re.compile(r"^Settings$")).click()
+    page.locator(".lm-Menu-item", has_text=re.compile(r"^Theme$")).hover()
+    page.get_by_role("menuitem", name="JupyterLab Dark", exact=True).click()
+    try:
+        page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
+        page.wait_for_timeout(500)  # the theme's CSS applied
+        page.locator(STATUS).click()
+        sidebar = page.locator(SIDEBAR)
+        sidebar.wait_for(state="visible", timeout=10_000)
+        page.locator(LIVE_SESSION).wait_for(timeout=30_000)
+        colours = page.evaluate(
+            """() => {
+              const style = sel => getComputedStyle(document.querySelector(sel));
+              const panel = style('#notebook-accel-panel'), status = style('.nacc-x-status');
+              const bar = style('#jp-main-statusbar');
+              return {text: panel.color, background: panel.backgroundColor, status: status.color,
+                      bar: bar.backgroundColor};
+            }"""
+        )
+        shot = screenshot(page, tmp_path / "dark.png")
+        from PIL import Image
+
+        with Image.open(shot) as full:  # the status bar and the sidebar, for a person to look at
+            box = page.locator("#jp-main-statusbar").bounding_box()
+            full.crop((0, int(box["y"]), min(full.width, 900), int(box["y"] + box["height"]))).save(
+                shot.with_name("dark-statusbar.png")
+            )
+            side = sidebar.bounding_box()
+            full.crop((int(side["x"]), int(side["y"]), int(side["x"] + side["width"]),
+                       int(side["y"] + side["height"]))).save(shot.with_name("dark-sidebar.png"))  # fmt: skip
+        assert _luminance(colours["text"]) > 0.6, colours
+        assert _luminance(colours["background"]) < 0.3, colours
+        assert _luminance(colours["status"]) > 0.6, colours
+        assert _luminance(colours["bar"]) < 0.3, colours
+        assert not extension_errors(page), page.console_errors
+    finally:  # the server (and its settings) serve the module's other tests: back to the light theme
+        page.locator("li.lm-MenuBar-item", has_text=re.compile(r"^Settings$")).click()
+        page.locator(".lm-Menu-item", has_text=re.compile(r"^Theme$")).hover()
+        page.get_by_role("menuitem", name="JupyterLab Light", exact=True).click()
+        page.wait_for_function("() => document.body.dataset.jpThemeLight === 'true'", timeout=30_000)

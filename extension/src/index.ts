@@ -42,7 +42,7 @@ function activate(
   sidebar.id = PANEL_ID;
   sidebar.addClass('nacc-x-panel');
   sidebar.title.icon = acceleratorIcon;
-  sidebar.title.caption = 'notebook_accel launches';
+  sidebar.title.caption = 'notebook_accel sessions and launches';
   sidebar.node.addEventListener('click', event => {
     const action = (event.target as HTMLElement).closest('[data-action]')?.getAttribute('data-action');
     const link = linkOf(tracker.currentWidget);
@@ -51,8 +51,11 @@ function activate(
     }
     if (action === 'connect') {
       link.connect();
-    } else {
-      link.send({ type: action }); // "stop" or "refresh"
+    } else if (action === 'start_session') {
+      void app.commands.execute(CommandIDs.toggleSession);
+    } else if (!link.send({ type: action })) {
+      // "stop", "refresh", "restart" or "stop_session": the kernel acts and answers on the comm
+      Notification.warning('notebook_accel: not connected to the kernel', { autoClose: 5000 });
     }
   });
 
@@ -79,6 +82,9 @@ function activate(
     const link = new KernelLink(panel.sessionContext);
     links.set(panel, link);
     link.changed.connect(() => {
+      for (const notice of link.model.takeNotices()) {
+        Notification[notice.level](`notebook_accel: ${notice.text}`, { autoClose: 5000 });
+      }
       if (panel === tracker.currentWidget) {
         draw();
       }

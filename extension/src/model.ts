@@ -13,6 +13,32 @@ export interface Hello {
   hardware: any;
   hardware_error?: string;
   preview: Preview | null;
+  session?: SessionMessage | null;
+}
+
+/** What comm.py's session_message sends. Rank states: idle, busy, dead, stopped. */
+export interface SessionMessage {
+  type: 'session';
+  id: number;
+  state: 'running' | 'restarting' | 'stopped';
+  workers: number;
+  start_method?: string;
+  ranks: { rank: number; pid: number | null; state: string; device?: string | null }[];
+}
+
+export interface SessionView {
+  id: number;
+  state: SessionMessage['state'];
+  workers: number;
+  startMethod: string;
+  ranks: SessionMessage['ranks'];
+  startedAt: number; // ms, this browser's clock: when we first heard of it
+  restarts: number; // new pids seen since then
+}
+
+export interface Notice {
+  level: 'info' | 'warning' | 'error';
+  text: string;
 }
 
 export type RankState = 'running' | 'done' | 'failed' | 'stopped';
@@ -39,10 +65,13 @@ export interface LaunchView {
 
 export const KEEP_LAUNCHES = 5;
 export const KEEP_LINES = 50;
+export const KEEP_SESSIONS = 3;
 
 export class LaunchModel {
   hello: Hello | null = null;
   launches: LaunchView[] = []; // newest first
+  sessions: SessionView[] = []; // newest first
+  notices: Notice[] = []; // not shown yet: takeNotices()
 
   get connected(): boolean {
     return this.hello !== null;
@@ -52,10 +81,24 @@ export class LaunchModel {
     return this.launches[0];
   }
 
+  /** The kernel's live session (running or restarting), if any. */
+  get session(): SessionView | undefined {
+    const s = this.sessions[0];
+    return s && s.state !== 'stopped' ? s : undefined;
+  }
+
   /** Forget everything (a new or restarted kernel). */
   reset(): void {
     this.hello = null;
     this.launches = [];
+    this.sessions = [];
+    this.notices = [];
+  }
+
+  takeNotices(): Notice[] {
+    const notices = this.notices;
+    this.notices = [];
+    return notices;
   }
 
   /** Fold one comm message in; false when it was not one of ours. */
@@ -65,6 +108,26 @@ export class LaunchModel {
     }
     if (msg.type === 'hello') {
       this.hello = msg as Hello;
+      // The kernel's word on its session: any other one we show as live has ended.
+      const live = msg.session?.type === 'session' ? msg.session.id : null;
+      for (const s of this.sessions) {
+        if (s.id !== live && s.state !== 'stopped') {
+          s.state = 'stopped';
+          s.ranks = s.ranks.map(r => ({ ...r, state: 'stopped' }));
+        }
+      }
+      if (live !== null) {
+        this.applySession(msg.session, now);
+      }
+      return true;
+    }
+    if (msg.type === 'session' && typeof msg.id === 'number') {
+      this.applySession(msg as SessionMessage, now);
+      return true;
+    }
+    if (msg.type === 'notice' && typeof msg.text === 'string') {
+      const level = ['info', 'warning', 'error'].includes(msg.level) ? msg.level : 'info';
+      this.notices.push({ level, text: msg.text });
       return true;
     }
     if (msg.type !== 'event' || typeof msg.launch !== 'number') {
@@ -107,6 +170,25 @@ export class LaunchModel {
       default:
         return false;
     }
+  }
+
+  private applySession(msg: SessionMessage, now: number): void {
+    let s = this.sessions.find(x => x.id === msg.id);
+    if (!s) {
+      s = { id: msg.id, state: msg.state, workers: 0, startMethod: '', ranks: [], startedAt: now, restarts: 0 };
+      this.sessions.unshift(s);
+      this.sessions.sort((a, b) => b.id - a.id);
+      this.sessions.length = Math.min(this.sessions.length, KEEP_SESSIONS);
+    }
+    const ranks = Array.isArray(msg.ranks) ? [...msg.ranks].sort((a, b) => a.rank - b.rank) : [];
+    const pids = (rs: SessionMessage['ranks']) => rs.map(r => r.pid).join(',');
+    if (msg.state === 'running' && s.ranks.length && ranks.length && pids(ranks) !== pids(s.ranks)) {
+      s.restarts += 1;
+    }
+    s.state = msg.state;
+    s.workers = msg.workers || ranks.length;
+    s.startMethod = msg.start_method ?? s.startMethod;
+    s.ranks = ranks;
   }
 
   private launch(id: number, now: number): LaunchView {
@@ -184,9 +266,16 @@ export function statusText(model: LaunchModel, numProcesses: number): string {
     return 'not connected';
   }
   const launch = model.current;
-  if (!launch) {
-    return hardwareSummary(model.hello, numProcesses);
+  const session = model.session;
+  const base = launch ? launchText(launch) : hardwareSummary(model.hello, numProcesses);
+  if (session && !(launch && !launch.finished)) {
+    const what = session.state === 'restarting' ? 'restarting' : `${session.workers} workers`;
+    return `${base} · session: ${what}`;
   }
+  return base;
+}
+
+function launchText(launch: LaunchView): string {
   const ranks = [...launch.ranks.values()].sort((a, b) => a.rank - b.rank);
   const failed = ranks.filter(r => r.state === 'failed').map(r => r.rank);
   if (failed.length) {

@@ -1,6 +1,6 @@
 // The sidebar's HTML from a LaunchModel. Plain strings (every value escaped) so node can test it.
 
-import { formatSeconds, LaunchModel, LaunchView, RankView } from './model';
+import { formatSeconds, LaunchModel, LaunchView, RankView, SessionView } from './model';
 
 export const SHOWN_LINES = 5;
 
@@ -94,6 +94,56 @@ export function renderLaunch(launch: LaunchView, now: number, current: boolean):
   );
 }
 
+function button(action: string, label: string, extra = ''): string {
+  return `<button class="jp-Button nacc-x-${action}${extra}" data-action="${action}">${label}</button>`;
+}
+
+export function renderSession(s: SessionView, live: boolean): string {
+  const how = s.startMethod ? ` (${esc(s.startMethod)})` : '';
+  const restarts = s.restarts ? ` <span class="nacc-x-muted">restarted ${s.restarts}x</span>` : '';
+  const buttons =
+    live && s.state === 'running'
+      ? '<div class="nacc-x-actions">' +
+        button('restart', 'Restart') +
+        button('stop_session', 'Stop session', ' nacc-x-stop') +
+        '</div>'
+      : '';
+  const rows = s.ranks
+    .map(
+      r =>
+        `<tr class="nacc-x-srank" data-rank="${esc(r.rank)}" data-state="${esc(r.state)}">` +
+        `<td>${esc(r.rank)}</td><td><span class="nacc-x-state nacc-x-${esc(r.state)}">${esc(r.state)}</span></td>` +
+        `<td>${esc(r.pid ?? '-')}</td><td>${esc(r.device || '-')}</td></tr>`
+    )
+    .join('');
+  const table = live
+    ? '<table class="nacc-x-table nacc-x-ranks"><tr><th>rank</th><th>state</th><th>pid</th><th>device</th></tr>' +
+      rows +
+      '</table>'
+    : '';
+  return (
+    `<div class="nacc-x-session" data-session="${esc(s.id)}" data-state="${esc(s.state)}">` +
+    `<div class="nacc-x-session-head"><span>Session ${esc(s.id)}: ${esc(s.workers)} workers${how}</span> ` +
+    `<span class="nacc-x-state nacc-x-${esc(s.state)}">${esc(s.state)}</span>${restarts}</div>` +
+    table +
+    buttons +
+    '</div>'
+  );
+}
+
+export function renderSessions(model: LaunchModel): string {
+  if (!model.connected) {
+    return '';
+  }
+  const live = model.session;
+  const start = live
+    ? ''
+    : '<div class="nacc-x-muted nacc-x-nosession">No session running. ' +
+      button('start_session', 'Start session') +
+      '</div>';
+  return start + model.sessions.map(s => renderSession(s, s === live)).join('');
+}
+
 export function renderPanel(model: LaunchModel, title: string, now: number = Date.now()): string {
   const launches = model.launches.length
     ? model.launches.map((l, i) => renderLaunch(l, now, i === 0)).join('')
@@ -105,6 +155,7 @@ export function renderPanel(model: LaunchModel, title: string, now: number = Dat
     `<div class="nacc-x-title">notebook_accel <span class="nacc-x-muted">${esc(title)}</span>${refresh}</div>` +
     '<div class="nacc-x-section">Hardware</div>' +
     renderHardware(model) +
+    (model.connected ? '<div class="nacc-x-section">Session</div>' + renderSessions(model) : '') +
     '<div class="nacc-x-section">Launches</div>' +
     launches
   );

@@ -117,3 +117,69 @@ test('the code the commands send', () => {
   assert.ok(code.endsWith(`${JSON.stringify('print("rank", 1)\nx = \'\\n\'')})`));
   assert.match(toggleSessionCode(4), /'stop' if .* else 'start -n 4'\)$/);
 });
+
+// A getter read through a function: assert.equal(x, undefined) would narrow x to never.
+const live = (model: LaunchModel) => model.session;
+
+function session(id: number, state: string, pids: number[], rankState = 'idle') {
+  return {
+    type: 'session',
+    id,
+    state,
+    workers: pids.length,
+    start_method: 'fork',
+    ranks: pids.map((pid, rank) => ({ rank, pid, state: rankState, device: 'cpu' }))
+  };
+}
+
+test('sessions: started, restarted (new pids), stopped; the status bar says so', () => {
+  const model = new LaunchModel();
+  model.apply(HELLO);
+  assert.equal(live(model), undefined);
+  assert.equal(model.apply(session(1, 'running', [20, 21]), 0), true);
+  assert.equal(live(model)?.workers, 2);
+  assert.deepEqual(live(model)?.ranks.map(r => r.pid), [20, 21]);
+  assert.equal(statusText(model, 2), '2 x CPU · MULTI_CPU · session: 2 workers');
+  model.apply(session(1, 'restarting', [20, 21], 'busy'));
+  assert.equal(statusText(model, 2), '2 x CPU · MULTI_CPU · session: restarting');
+  model.apply(session(1, 'running', [30, 31]));
+  assert.equal(live(model)?.restarts, 1);
+  assert.deepEqual(live(model)?.ranks.map(r => r.pid), [30, 31]);
+  // While a session cell runs, the launch's text alone; after it, the session again.
+  started(model);
+  assert.equal(statusText(model, 2), '2/2 ranks running');
+  model.apply(ev('LaunchFinished', { ok: true, seconds: 1, failed_ranks: [], stopped: '' }), 1000);
+  assert.equal(statusText(model, 2), 'finished in 1.0 s · session: 2 workers');
+  model.apply(session(1, 'stopped', [30, 31], 'stopped'));
+  assert.equal(live(model), undefined);
+  assert.equal(model.sessions.length, 1); // kept as a recent one
+  assert.equal(statusText(model, 2), 'finished in 1.0 s');
+});
+
+test('sessions: a hello names the live one; older ones are marked stopped; three kept', () => {
+  const model = new LaunchModel();
+  model.apply({ ...HELLO, session: session(2, 'running', [40, 41]) });
+  assert.equal(live(model)?.id, 2);
+  model.apply(session(1, 'running', [10])); // a late message about an older session
+  assert.equal(live(model)?.id, 2); // newest first, by id
+  model.apply({ ...HELLO, session: null });
+  assert.equal(live(model), undefined);
+  assert.ok(model.sessions.every(s => s.state === 'stopped' && s.ranks.every(r => r.state === 'stopped')));
+  for (let id = 3; id < 8; id++) {
+    model.apply(session(id, 'running', [id]));
+  }
+  assert.deepEqual(model.sessions.map(s => s.id), [7, 6, 5]);
+  model.reset();
+  assert.equal(model.sessions.length, 0);
+});
+
+test('notices are queued once for the page to show', () => {
+  const model = new LaunchModel();
+  assert.equal(model.apply({ type: 'notice', level: 'warning', text: 'busy' }), true);
+  model.apply({ type: 'notice', level: 'bogus', text: 'x' });
+  assert.deepEqual(model.takeNotices(), [
+    { level: 'warning', text: 'busy' },
+    { level: 'info', text: 'x' }
+  ]);
+  assert.deepEqual(model.takeNotices(), []);
+});

@@ -38,3 +38,33 @@ test('a running launch has a Stop button and per-rank rows; a finished one has n
   assert.doesNotMatch(html, /data-action="stop"/);
   assert.equal((html.match(/data-state="done"/g) ?? []).length, 3); // the launch and both ranks
 });
+
+test('the session: per-rank rows with Restart and Stop session; none: a Start button', () => {
+  const model = new LaunchModel();
+  model.apply({ type: 'hello', hardware: { accelerators: [] }, preview: null, session: null });
+  let html = renderPanel(model, 'nb.ipynb');
+  assert.match(html, /No session running/);
+  assert.match(html, /data-action="start_session"/);
+  const ranks = [0, 1].map(rank => ({ rank, pid: 50 + rank, state: rank ? 'dead' : 'idle', device: 'cuda:0' }));
+  model.apply({ type: 'session', id: 4, state: 'running', workers: 2, start_method: 'fork', ranks });
+  html = renderPanel(model, 'nb.ipynb');
+  assert.match(html, /Session 4: 2 workers \(fork\)/);
+  assert.match(html, /data-action="restart"/);
+  assert.match(html, /data-action="stop_session"/);
+  assert.doesNotMatch(html, /data-action="start_session"/);
+  assert.equal((html.match(/class="nacc-x-srank"/g) ?? []).length, 2);
+  assert.match(html, /data-rank="1" data-state="dead"/);
+  assert.match(html, /cuda:0/);
+  model.apply({ type: 'session', id: 4, state: 'restarting', workers: 2, ranks });
+  html = renderPanel(model, 'nb.ipynb');
+  assert.doesNotMatch(html, /data-action="restart"/); // no second restart while one runs
+  model.apply({ type: 'session', id: 4, state: 'stopped', workers: 2, ranks: [] });
+  html = renderPanel(model, 'nb.ipynb');
+  assert.match(html, /data-session="4" data-state="stopped"/);
+  assert.match(html, /data-action="start_session"/);
+  assert.doesNotMatch(html, /data-action="stop_session"/);
+});
+
+test('not connected: no session section', () => {
+  assert.doesNotMatch(renderPanel(new LaunchModel(), 'nb.ipynb'), /Session/);
+});

@@ -1,8 +1,14 @@
 """The kernel end of the JupyterLab extension (extension/): a comm target named "notebook_accel".
 
 When the front end opens a comm, the kernel answers with a hello (hardware report, launch preview);
-then every launch's events go to all open comms through `CommSink`. The front end may send
-{"type": "stop"} (stop the running launch) or {"type": "refresh"} (a new hello).
+then every launch's events go to all open comms through `CommSink`, and every change of the
+kernel's interactive session (start, restart, stop; jupyter/session.py calls `notify_session`) goes
+as {"type": "session", "id", "state", "workers", "start_method", "ranks": [{rank, pid, state, device}]}.
+
+The front end may send {"type": "stop"} (stop the running launch), {"type": "refresh"} (a new
+hello), {"type": "restart"} (restart the session's workers) or {"type": "stop_session"}. These
+arrive on busy.py's side shell thread; the two session ones are refused with a
+{"type": "notice"} while a cell runs, since that cell may be using the session's workers.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ _lock = threading.Lock()
 _comms: dict = {}  # comm_id -> open comm
 _launch_ids = itertools.count(1)
 _control = None  # the running launch's control, set by CommSink.attach
+_session_op = threading.Lock()  # held while the sidebar restarts or stops the session
+_cells_running = 0  # cells on the kernel's shell between pre_execute and post_execute
+_last_ranks: dict = {}  # session id -> the ranks last sent, to show who was stopped
 
 
 def register_comm_target(ipython) -> bool:
@@ -32,7 +41,27 @@ def register_comm_target(ipython) -> bool:
     if manager is None:
         return False
     manager.register_target(TARGET, _on_open)
+    # pre/post_run_cell, not pre/post_execute: the comm package fires those around every comm
+    # message too (this one's included). Silent executions go uncounted.
+    events = getattr(ipython, "events", None)
+    if events is not None:
+        if _cell_started not in events.callbacks.get("pre_run_cell", []):
+            events.register("pre_run_cell", _cell_started)
+        if _cell_ended not in events.callbacks.get("post_run_cell", []):
+            events.register("post_run_cell", _cell_ended)
     return True
+
+
+def _cell_started(info=None) -> None:
+    global _cells_running
+    with _session_op:  # a cell that starts during a restart from the sidebar waits for its end
+        _cells_running += 1
+
+
+def _cell_ended(result=None) -> None:
+    global _cells_running
+    with _lock:  # post_run_cell also follows cells without pre_run_cell (empty ones): never below 0
+        _cells_running = max(0, _cells_running - 1)
 
 
 def active_sinks() -> list:
@@ -42,7 +71,15 @@ def active_sinks() -> list:
 
 
 def hello() -> dict:
-    message = {"type": "hello", "version": _version(), "hardware": None, "preview": None}
+    message = {"type": "hello", "version": _version(), "hardware": None, "preview": None, "session": None}
+    try:
+        from . import session
+
+        ks = session.current()
+        if ks is not None:
+            message["session"] = session_message(ks)
+    except Exception as exc:
+        message["session_error"] = str(exc) or type(exc).__name__
     try:
         from ..hardware import report
 
@@ -95,6 +132,13 @@ def _route_while_busy(comm) -> None:
 
 
 def _on_msg(msg) -> None:
+    try:
+        _handle(msg)
+    except Exception as exc:  # the comm package skips post_execute when a handler raises
+        notice(f"{type(exc).__name__}: {exc}", "error")
+
+
+def _handle(msg) -> None:
     data = msg.get("content", {}).get("data") or {}
     kind = data.get("type")
     if kind == "stop":
@@ -106,6 +150,84 @@ def _on_msg(msg) -> None:
 
         report(refresh=True)
         _broadcast(hello())
+    elif kind in ("restart", "stop_session"):
+        _session_request(kind)
+
+
+def session_message(ks, state: Optional[str] = None) -> dict:
+    """The session message for KernelSession `ks` (its workers' status, read now)."""
+    started = ks.session.started
+    ranks = []
+    if started:
+        ranks = [{"rank": r["rank"], "pid": r["pid"], "state": r["state"], "device": r["device"]}
+                 for r in ks.session.status()]  # fmt: skip
+    if not ranks:  # stopped, or its start failed: the workers it had, stopped
+        ranks = [dict(r, state="stopped") for r in _last_ranks.get(ks.id, [])]
+    if state is None:
+        state = "running" if started else "stopped"
+    if state == "running":
+        _last_ranks[ks.id] = ranks
+    elif state == "stopped":
+        _last_ranks.pop(ks.id, None)
+    return {
+        "type": "session", "id": ks.id, "state": state, "workers": ks.session.num_processes or len(ranks),
+        "start_method": ks.session.start_method, "ranks": ranks, "time": time.time(),
+    }  # fmt: skip
+
+
+def notify_session(ks, state: Optional[str] = None) -> None:
+    """Tell the open comms about `ks`: nothing to do (and no status read) while none is open."""
+    with _lock:
+        if not _comms:
+            return
+    try:
+        message = session_message(ks, state)
+    except Exception as exc:  # a session notice must never break the session itself
+        sys.__stderr__.write(f"notebook_accel: session notice failed: {exc!r}\n")
+        return
+    _broadcast(message)
+
+
+def notice(text: str, level: str = "info") -> None:
+    _broadcast({"type": "notice", "level": level, "text": text})
+
+
+def _session_request(kind: str) -> None:
+    """Restart or stop the kernel's session for the sidebar; refused while a cell runs (it may be
+    using the workers, and the session is not made for two threads at once)."""
+    from . import session
+
+    what = "restart the session" if kind == "restart" else "stop the session"
+    if not _session_op.acquire(blocking=False):
+        notice(f"cannot {what}: the session is already being restarted or stopped", "warning")
+        return
+    try:
+        if _cells_running:
+            notice(f"cannot {what} while a cell runs: wait for it or interrupt it, then try again", "warning")
+            return
+        ks = session.current()
+        if ks is None:
+            notice("no session is running (%accelerate start -n N starts one)", "warning")
+            notify_session_none()
+            return
+        if kind == "stop_session":
+            session.stop()
+            notice("session stopped")
+            return
+        notify_session(ks, "restarting")
+        try:
+            ks.session.restart()  # jupyter/session.py sends the new workers' message
+        except Exception as exc:
+            notice(f"session restart failed: {exc}", "error")
+            return
+        notice(f"session restarted: {ks.world} workers, fresh namespaces")
+    finally:
+        _session_op.release()
+
+
+def notify_session_none() -> None:
+    """A hello again, so front ends that still show a session learn there is none."""
+    _broadcast(hello())
 
 
 def _broadcast(message: dict) -> None:

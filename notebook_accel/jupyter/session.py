@@ -9,6 +9,7 @@ lands in the cell that is running, not in the one that started the session.
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue
 import time
 from typing import Optional
@@ -20,6 +21,7 @@ from . import cells
 
 _current: Optional["KernelSession"] = None
 _auto = False
+_ids = itertools.count(1)
 
 
 def current() -> Optional["KernelSession"]:
@@ -37,11 +39,36 @@ class _Stop:
         self.session.interrupt(self.ranks)
 
 
+def _notify(ks: "KernelSession", state: Optional[str] = None) -> None:
+    """Tell the JupyterLab extension's comms (comm.py) that `ks` changed; cheap without any."""
+    try:
+        from . import comm
+
+        comm.notify_session(ks, state)
+    except Exception:
+        pass
+
+
+class _Session(Session):
+    """A Session whose restart (from `%accelerate restart` or the sidebar) is told to the comms."""
+
+    owner: Optional["KernelSession"] = None
+
+    def restart(self) -> Session:
+        try:
+            return super().restart()
+        finally:
+            if self.owner is not None:
+                _notify(self.owner)
+
+
 class KernelSession:
     def __init__(self, shell, num_processes: int, start_method: str, mixed_precision, cpu):
+        self.id = next(_ids)
         self.shell = shell
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.session = Session(num_processes, start_method, mixed_precision, cpu, on_output=self._on_output)
+        self.session = _Session(num_processes, start_method, mixed_precision, cpu, on_output=self._on_output)
+        self.session.owner = self
         self.session.tick = self._pump
         self.sink = None  # the running cell's sink; touched on the main thread only
 
@@ -130,6 +157,7 @@ class KernelSession:
         )
         sink.close()
         self.sink = None
+        _notify(self)  # a worker may have died
 
     def _show(self, reply) -> None:
         """Rank 0's (the first target's) figures, displays and the cell's value, in the cell."""
@@ -180,6 +208,7 @@ def start(shell, num_processes: int, start_method: str, mixed_precision, cpu) ->
     ks = KernelSession(shell, num_processes, start_method, mixed_precision, cpu)
     ks.session.start()
     _current = ks
+    _notify(ks)
     return ks
 
 
@@ -189,7 +218,10 @@ def stop() -> bool:
     _auto = False
     if ks is None:
         return False
-    ks.stop()
+    try:
+        ks.stop()
+    finally:
+        _notify(ks, "stopped")
     return True
 
 

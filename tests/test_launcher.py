@@ -14,7 +14,6 @@ import queue
 import signal
 import socket
 import threading
-import time
 
 import launch_targets as targets
 import pytest
@@ -265,10 +264,8 @@ def test_unpicklable_global_and_closure_variable_are_named():
 def test_failing_rank_raises_child_failed_error_and_stops_the_others(start_method, tmp_path, no_orphans):
     marker = str(tmp_path / "finished")
     sink = ListSink()
-    started = time.monotonic()
     with pytest.raises(LaunchFailedError) as info:
         launch(targets.raise_on_rank, (1, marker, SLOW_RANK_S), sink=sink, start_method=start_method)
-    assert time.monotonic() - started < 15  # only to catch "waited for the sleeping rank"
     err = info.value
     assert isinstance(err, ChildFailedError)
     message = str(err)

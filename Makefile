@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test browser lab bench lint clean
+.PHONY: demo test browser lab bench lint clean labextension labextension-dev test-extension
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,8 +15,24 @@ $(STAMP): pyproject.toml requirements-dev.txt
 demo: $(STAMP)
 	$(BIN)/python -m notebook_accel.demo notebooks/quickstart.ipynb
 
-test: $(STAMP) browser
+test: $(STAMP) browser labextension-dev test-extension
 	$(BIN)/python -m pytest -q tests
+
+# The JupyterLab extension: TypeScript in extension/, built (node + npm) into notebook_accel/labextension/.
+extension/node_modules/.installed: extension/package.json extension/package-lock.json
+	cd extension && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+labextension: $(STAMP) extension/node_modules/.installed
+	cd extension && PATH=$(CURDIR)/$(BIN):$$PATH npm run --silent build
+
+# The dev venv's editable install does not lay out data files: link the build where JupyterLab looks.
+labextension-dev: labextension
+	mkdir -p $(VENV)/share/jupyter/labextensions
+	ln -sfn $(CURDIR)/notebook_accel/labextension $(VENV)/share/jupyter/labextensions/notebook-accel-labextension
+
+test-extension: extension/node_modules/.installed
+	cd extension && npm test --silent
 
 # The browser tests drive Debian's Chromium through Playwright; no browser is ever downloaded. Installs
 # it once (as root, as CI runs); a no-op when it is there.

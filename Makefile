@@ -58,7 +58,7 @@ lab: $(STAMP) labextension-dev
 BENCH_VENV := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
-$(BENCH_STAMP): pyproject.toml requirements-dev.txt
+$(BENCH_STAMP): pyproject.toml requirements-dev.txt Makefile
 	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
 	$(BENCH_VENV)/bin/python -m pip install -q -r requirements-dev.txt accelerate==1.15.0 ipyparallel==9.2.0

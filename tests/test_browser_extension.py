@@ -114,6 +114,17 @@ def test_status_bar_sidebar_and_run_on_n_processes(jupyter_lab, browser_page, tm
     page.locator(".lm-CommandPalette-input").fill("Run cell on 2 processes")
     assert page.locator(".lm-CommandPalette-item", has_text="Run cell on 2 processes").count() >= 1
     page.keyboard.press("Escape")
+
+    # The keyboard shortcut (Accel Shift Enter) runs the selected cell on N processes too.
+    plain.locator(".jp-InputPrompt").click()
+    page.keyboard.press("Control+Shift+Enter")
+    page.wait_for_function(
+        "() => { const l = document.querySelectorAll('#notebook-accel-panel .nacc-x-launch');"
+        " return l.length === 3 && l[0].dataset.state === 'done'; }",
+        timeout=90_000,
+    )
+    assert sidebar.locator(".nacc-x-launch").first.locator('.nacc-x-rank[data-state="done"]').count() == 2
+    assert plain.locator(".jp-InputArea-editor").inner_text().strip() == PLAIN
     assert not [e for e in page.console_errors if "notebook_accel" in e or "nacc" in e], page.console_errors
 
 

@@ -76,6 +76,11 @@ def _init_process_group(backend: str, env, timeout: Optional[datetime.timedelta]
         )  # fmt: skip
         kwargs["store"] = dist.PrefixStore(f"/notebook_accel/attempt_{attempt}", store)
     dist.init_process_group(**kwargs)
+    if backend == "gloo" and env.world_size > 1:
+        # gloo's init can return on one rank while a peer is still connecting to it; a rank that then
+        # finishes and tears its group down fails that peer ("connectFullMesh ... closed by peer").
+        # Seen with a cell that runs no collective. One barrier: everyone is connected before anyone goes.
+        dist.barrier()
 
 
 class PartialState:

@@ -74,7 +74,8 @@ def test_status_bar_sidebar_and_run_on_n_processes(jupyter_lab, browser_page, tm
     assert re.search(r"2 x CPU · MULTI_CPU|x .* · MULTI_GPU", summary), summary
 
     run_cell(page, 1)
-    assert "2/2 ranks running" in wait_status(page, "ranks running")
+    # Ranks report one by one ("1/2 ranks running" first); the cell sleeps 3 s, so 2/2 must show.
+    assert "2/2 ranks running" in wait_status(page, r"2/2 ranks running")
     screenshot(page, tmp_path / "1-running.png")
     assert re.search(r"finished in \d+\.\d s", wait_status(page, "finished in", timeout=90))
     wait_for_output(page, "launch done on 1")

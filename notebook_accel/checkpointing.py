@@ -8,6 +8,7 @@ and swapped in with renames, so a crash at any moment leaves the previous checkp
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -29,6 +30,8 @@ from .serialization import (  # noqa: F401  (save_model and friends are part of 
     load_sharded_state_dict,
     save_model,
 )
+
+logger = logging.getLogger(__name__)
 
 OPTIMIZER_NAME = "optimizer"
 SCHEDULER_NAME = "scheduler"
@@ -393,10 +396,28 @@ def load_accelerator_state(
             failures.append(f"{what}: {type(exc).__name__}: {exc}")
     if failures:
         raise CheckpointError(_report(folder, "was only partly loaded", failures))
+    for i in stateful:
+        _rewind_unless_stateful(dataloaders[i], i)
     _set_rng_states(rng)
     counts = (len(models), len(optimizers), len(schedulers), scaler is not None, len(custom_objects), len(stateful))
     return dict(zip(("models", "optimizers", "schedulers", "scaler", "custom_objects", "dataloaders"), counts),
                 input_dir=folder)  # fmt: skip
+
+
+def _rewind_unless_stateful(loader, i: int) -> None:
+    """accelerate restores a loader's position only with use_stateful_dataloader=True; without it,
+    resume code skips the done batches itself (skip_first_batches, or counting), so restoring here
+    too would skip them twice. The epoch, its order and the RNG states are still restored."""
+    if getattr(loader, "use_stateful_dataloader", True) or not hasattr(loader, "_restart_epoch"):
+        return
+    dropped = loader._restart_epoch()
+    if dropped:
+        logger.info(
+            "data loader %d restarts epoch %d at its first batch, in the saved order; the checkpoint was taken after "
+            "batch %d. Skip them with accelerator.skip_first_batches(loader, %d), or prepare with "
+            "DataLoaderConfiguration(use_stateful_dataloader=True) to resume there.",
+            i, loader.iteration, dropped, dropped,
+        )  # fmt: skip
 
 
 def _check_model_keys(model, state: dict, i: int, strict: bool, problems: list) -> None:

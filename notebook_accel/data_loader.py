@@ -64,7 +64,9 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
     At the start of every epoch the RNGs named in `rng_types` are synchronised across processes
     (with `synchronized_generator` for "generator"), so shuffled shards line up. While iterating it
     is GradientState's active loader, and it prefetches one batch to know which batch is last.
-    `use_stateful_dataloader` is accepted for compatibility: every loader here has state_dict().
+    Every loader here has state_dict() / load_state_dict(); `use_stateful_dataloader` only decides
+    whether Accelerator.load_state restores the position inside an epoch (True) or replays the
+    saved epoch from its first batch for the caller to skip (False, accelerate's default).
     """
 
     def __init__(
@@ -262,11 +264,11 @@ class DataLoaderDispatcher(DataLoaderStateMixin, DataLoader):
         self.begin()
         try:
             if rank != 0:  # rank 0 does the skipping and says when to stop
-                if not self._resume_pending:  # unused here, but keeps this rank's state_dict well-formed
+                resume, self._resume_pending = self._resume_pending, False
+                if not resume:  # unused here, but keeps this rank's state_dict well-formed
                     self._epoch_rng = self._capture_rng(with_torch=True)
-                self._resume_pending = False
                 self.set_epoch(self.iteration)
-                self._position = self.skip_batches
+                self._position = self._take_skip(resume)
             source = current = following = None
             pad_rows = None
             while True:

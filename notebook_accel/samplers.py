@@ -356,7 +356,9 @@ class DataLoaderStateMixin:
     `remainder` is the number of real samples in the last global batch when it was padded with
     duplicates (so gather_for_metrics can drop them), 0 when nothing was padded, -1 when unknown.
     `skip_batches` is how many batches the next iteration skips (once; accelerate skips on every
-    iteration of a loader built with skip_batches).
+    iteration of a loader built with skip_batches); `len()` counts without them. A position
+    restored by load_state_dict is kept apart from it (`_resume_skip`), so `len()` after a resume
+    is the whole epoch, as in accelerate, and an explicit skip_first_batches replaces it.
     """
 
     def _init_state(self, skip_batches: int) -> None:
@@ -367,6 +369,7 @@ class DataLoaderStateMixin:
         self._position = 0  # batches of epoch `iteration` consumed (skipped ones included)
         self._epoch_rng = None  # RNG states the current epoch's order was drawn from
         self._resume_pending = False
+        self._resume_skip = 0  # batches a restored position skips; skip_batches wins when set
         self._iterating = False
         self._epoch_done = False
         is_map_style = not isinstance(self.dataset, IterableDataset)
@@ -405,6 +408,7 @@ class DataLoaderStateMixin:
         if self in getattr(gradient_state, "dataloader_references", ()):
             gradient_state._remove_dataloader(self)
         self.skip_batches = 0
+        self._resume_skip = 0
         if self._epoch_done or self.end_of_dataloader:
             self.iteration += 1
             self._position = 0
@@ -455,7 +459,7 @@ class DataLoaderStateMixin:
                 synchronize_rng_states(self.rng_types, self.synchronized_generator)
             self._epoch_rng = self._capture_rng(with_torch=True)
         self.set_epoch(self.iteration)
-        skip = self.skip_batches * skip_scale
+        skip = self._take_skip(resume) * skip_scale
         outside = torch.get_rng_state() if resume else None
         try:
             if resume:
@@ -480,6 +484,12 @@ class DataLoaderStateMixin:
         self._position = skipped // skip_scale
         return iterator
 
+    def _take_skip(self, resume: bool) -> int:
+        """Batches this iteration skips: an explicit skip_first_batches, else a restored position."""
+        skip = self.skip_batches or (self._resume_skip if resume else 0)
+        self._resume_skip = 0
+        return skip
+
     # -- exact resume -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything needed to resume this loader bit-identically, as a picklable dict.
@@ -493,17 +503,20 @@ class DataLoaderStateMixin:
           mid-epoch only, "torch" (the global RNG). Mid-epoch these are the states at the START
           of the epoch, after the cross-rank sync, from which the epoch's order is regenerated; at
           a boundary they are the generators' current states (the global RNG is then left to the
-          checkpointer, like every other global RNG)
+          checkpointer, like every other global RNG). With "torch" present and batches_yielded 0,
+          the next iteration replays that epoch from its first batch (see `_restart_epoch`)
         - "data_seed": a SeedableRandomSampler's initial seed, else None
         - "num_processes", "total_batch_size": checked on load (None when not known)
         """
         if self._iterating and self.end_of_dataloader:
             epoch, position = self.iteration + 1, 0
-        elif self._epoch_rng is not None and self._position > 0:
+        elif self._epoch_rng is not None and (self._position > 0 or self._resume_pending):
             epoch, position = self.iteration, self._position
         else:
             epoch, position = self.iteration, 0
-        rng = self._epoch_rng if position > 0 else self._capture_rng(with_torch=False)
+        # A loaded state not iterated yet keeps its epoch's start states, even at position 0.
+        pending = self._resume_pending and not self._iterating
+        rng = self._epoch_rng if position > 0 or pending else self._capture_rng(with_torch=False)
         sampler = self._innermost_sampler()
         return {
             "format": STATE_FORMAT,
@@ -540,15 +553,26 @@ class DataLoaderStateMixin:
         self.iteration = _check_count("epoch", state["epoch"])
         position = _check_count("batches_yielded", state["batches_yielded"])
         rng = dict(state["rng_state"] or {})
-        if position > 0:
-            if rng.get("torch") is None:
-                raise ValueError("A mid-epoch data loader state needs rng_state['torch']; this one has none.")
+        self.skip_batches = 0
+        if position > 0 and rng.get("torch") is None:
+            raise ValueError("A mid-epoch data loader state needs rng_state['torch']; this one has none.")
+        if rng.get("torch") is not None:  # mid-epoch, or an epoch to replay from its start
             self._position, self._epoch_rng, self._resume_pending = position, rng, True
-            self.skip_batches = position
+            self._resume_skip = position
         else:
             self._apply_generators(rng)
             self._position, self._epoch_rng, self._resume_pending = 0, None, False
-            self.skip_batches = 0
+            self._resume_skip = 0
+
+    def _restart_epoch(self) -> int:
+        """After load_state_dict: replay the restored epoch from its first batch, in the same order.
+
+        This is what load_state does for a loader prepared without use_stateful_dataloader, as in
+        accelerate, whose resume code then skips with skip_first_batches(loader, n) or by counting
+        batches. Returns the position that was dropped (0 when the state was at an epoch boundary).
+        """
+        dropped, self._resume_skip, self._position = self._resume_skip, 0, 0
+        return dropped
 
     def _num_processes(self) -> Optional[int]:
         return None

@@ -59,9 +59,10 @@ def train_resumable(folder, stop_after=None, resume=False, epochs=3, seed_offset
     finish. seed_offset changes every seed, so a resumed run must take all randomness from the files.
     """
     from notebook_accel import Accelerator
-    from notebook_accel.utils import set_seed
+    from notebook_accel.utils import DataLoaderConfiguration, set_seed
 
-    accelerator = Accelerator()
+    # use_stateful_dataloader: load_state puts the loader back mid-epoch (accelerate's flag for it)
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
     set_seed(1234 + seed_offset, device_specific=True)
     model = make_model(seed=7 + seed_offset, dropout=0.3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -1,5 +1,7 @@
 """Training functions run by tests/test_accelerator.py, on 1 process in-process or N via run_ranks."""
 
+import os
+
 import torch
 
 
@@ -78,29 +80,46 @@ def metrics_rows(n=99, batch=8):
     return torch.cat(rows).squeeze(1).tolist()
 
 
-def train_with_checkpoint(folder, stop_after=None, resume=False, epochs=3, seed_offset=0):
-    """Shuffled loader + dropout; optionally save after `stop_after` steps, or resume and finish."""
+def train_with_checkpoint(folder, stop_after=None, resume=False, epochs=3, seed_offset=0, style="stateful"):
+    """Shuffled loader + dropout; optionally save after `stop_after` steps, or resume and finish.
+
+    `style` is how the resumed run finds its place in the epoch: "stateful" (prepared with
+    use_stateful_dataloader=True, load_state restores the position), or accelerate's own resume code
+    without it: "skip" (skip_first_batches with the step count worked out from len(loader), as in
+    accelerate's examples) or "count" (iterate from the top and `continue` past the done batches).
+    """
     from notebook_accel import Accelerator
-    from notebook_accel.utils import set_seed
+    from notebook_accel.utils import DataLoaderConfiguration, set_seed
 
     set_seed(1234 + seed_offset)
-    accelerator = Accelerator()
+    accelerator = Accelerator(
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=style == "stateful")
+    )
     model = make_model(seed=7 + seed_offset, dropout=0.2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
     gen = torch.Generator().manual_seed(99 + seed_offset)
     loader = torch.utils.data.DataLoader(make_data(48), batch_size=4, shuffle=True, generator=gen)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
-    start_epoch, done = 0, 0
+    start_epoch, done, resume_step = 0, 0, 0
     if resume:
         accelerator.load_state(folder)
-        state = accelerator._dataloaders[0].state_dict()
-        start_epoch = state.get("epoch", 0)
+        if style == "stateful":
+            start_epoch = loader.state_dict()["epoch"]
+        else:  # accelerate's examples: the step count is in the checkpoint's name, here a file
+            with open(os.path.join(folder, "step.txt")) as f:
+                step = int(f.read())
+            start_epoch, resume_step = divmod(step, len(loader))
     losses = []
     for epoch in range(start_epoch, epochs):
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
-        for x, y in loader:
+        batches = loader
+        if style == "skip" and epoch == start_epoch and resume_step:
+            batches = accelerator.skip_first_batches(loader, resume_step)
+        for i, (x, y) in enumerate(batches):
+            if style == "count" and epoch == start_epoch and i < resume_step:
+                continue
             loss = torch.nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
             opt.step()
@@ -110,6 +129,8 @@ def train_with_checkpoint(folder, stop_after=None, resume=False, epochs=3, seed_
             done += 1
             if stop_after is not None and done == stop_after:
                 accelerator.save_state(folder)
+                with open(os.path.join(folder, "step.txt"), "w") as f:
+                    f.write(str(done))
                 return None, losses
     params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
     return params, losses

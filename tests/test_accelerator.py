@@ -57,18 +57,67 @@ def test_gather_for_metrics_drops_even_batches_duplicates(world):
         assert sorted(got) == [float(i) for i in range(99)]
 
 
+def _fresh():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 @pytest.mark.timeout(120)
-def test_resume_is_bit_identical_in_one_process(tmp_path):
-    full, full_losses = train_with_checkpoint(str(tmp_path / "unused"))
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    _, first_losses = train_with_checkpoint(str(tmp_path / "ckpt"), stop_after=17)  # mid-epoch 2 of 3
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+@pytest.mark.parametrize("style", ["stateful", "skip", "count"])
+def test_resume_is_bit_identical_in_one_process(tmp_path, style):
+    full, full_losses = train_with_checkpoint(str(tmp_path / "unused"), style=style)
+    _fresh()
+    _, first_losses = train_with_checkpoint(str(tmp_path / "ckpt"), stop_after=17, style=style)  # mid-epoch 2 of 3
+    _fresh()
     # different seeds before loading: everything random must come from the checkpoint
-    resumed, rest_losses = train_with_checkpoint(str(tmp_path / "ckpt"), resume=True, seed_offset=5)
+    resumed, rest_losses = train_with_checkpoint(str(tmp_path / "ckpt"), resume=True, seed_offset=5, style=style)
+    assert len(first_losses) == 17 and len(rest_losses) == 36 - 17
     assert first_losses + rest_losses == full_losses
     assert all(torch.equal(a, b) for a, b in zip(resumed, full))
+
+
+def _epochs_of_indices(folder, stateful, save_after=None, resume=False, seed=0):
+    """Indices a shuffled 64-item loader (16 batches of 4) yields; saves after `save_after` batches of epoch 1."""
+    from notebook_accel.utils import DataLoaderConfiguration
+
+    torch.manual_seed(seed)
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
+    data = torch.utils.data.TensorDataset(torch.arange(64))
+    gen = torch.Generator().manual_seed(3 + seed)
+    loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=gen))
+    if resume:
+        accelerator.load_state(folder)
+        return len(loader), [b.tolist() for (b,) in loader]
+    epochs = []
+    for epoch in range(2):
+        epochs.append([])
+        for (b,) in loader:
+            epochs[-1].append(b.tolist())
+            if epoch == 1 and len(epochs[-1]) == save_after:
+                accelerator.save_state(folder)
+    return len(loader), epochs
+
+
+@pytest.mark.timeout(60)
+def test_load_state_restores_the_position_only_for_a_stateful_loader(tmp_path, caplog):
+    """accelerate's contract: without use_stateful_dataloader the resume code skips the done batches
+    itself, so load_state must not skip them too. Here the saved epoch replays from its first batch,
+    in its saved order; len(loader) is the whole epoch either way (resume code divides by it)."""
+    folder = str(tmp_path / "ckpt")
+    size, (_, epoch1) = _epochs_of_indices(folder, stateful=False, save_after=6)
+    assert size == 16 and len(epoch1) == 16
+    _fresh()
+    with caplog.at_level("INFO", logger="notebook_accel.checkpointing"):
+        size, replayed = _epochs_of_indices(folder, stateful=False, resume=True, seed=9)
+    assert size == 16
+    assert replayed == epoch1  # the whole saved epoch, same order, though every seed changed
+    assert "restarts epoch 1 at its first batch" in caplog.text and "skip_first_batches(loader, 6)" in caplog.text
+    _fresh()
+    _epochs_of_indices(folder, stateful=True, save_after=6)
+    _fresh()
+    size, rest = _epochs_of_indices(folder, stateful=True, resume=True, seed=9)
+    assert size == 16
+    assert rest == epoch1[6:]
 
 
 @pytest.mark.timeout(60)

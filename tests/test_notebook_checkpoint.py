@@ -97,10 +97,8 @@ def test_mid_epoch_resume_matches_the_uninterrupted_one(executed):
     assert "[rank 0] epoch 3 batch 6: saved checkpoint_3 (mid-epoch)" in text, text
     assert "LaunchFailedError: rank 1 raised RuntimeError: simulated crash in epoch 3 after batch 9" in text
     assert _folders(text, "mid_epoch/checkpoints after the crash") == _checkpoints(4)
-    # the loader's own position came back with load_state
-    assert (
-        "continuing at epoch 3 batch 7 (the loader's restored position: epoch 3, 6 batches consumed)" in text
-    )
+    # load_state brought the loader back to epoch 3; skip_first_batches skipped the 6 done batches
+    assert "continuing at epoch 3 batch 7 (the loader is back in epoch 3)" in text, text
     assert _folders(text, "mid_epoch/checkpoints after resuming") == _checkpoints(6)
     _assert_identical(text, split=54)
 

@@ -416,6 +416,14 @@ def test_console_sink_prefixes_lines_through_sys_stdout(capsys):
     assert "[rank 1] from C on rank 1" in capsys.readouterr().out
 
 
+def test_console_sink_prints_a_notice_on_stderr(capsys):
+    from notebook_accel.launch import LaunchNotice
+
+    ConsoleSink().handle(LaunchNotice("node 1 of 2: waiting for the other nodes"))
+    captured = capsys.readouterr()
+    assert captured.err == "notebook_accel: node 1 of 2: waiting for the other nodes\n" and captured.out == ""
+
+
 # -- ports ---------------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_auto_and_explicit_ports_reach_the_ranks(no_orphans):

@@ -112,11 +112,12 @@ def test_elastic_output_is_captured_per_rank():
 def test_elastic_timeout_stops_the_workers_and_raises(tmp_path, no_new_children):
     from launch_targets import sleep_then_touch
 
-    from notebook_accel.launch import LaunchTimeoutError, RankStopped
+    from notebook_accel.launch import LaunchTimeoutError, RankStarted, RankStopped
 
     sink = ListSink()
     marker = str(tmp_path / "finished")
-    with pytest.raises(LaunchTimeoutError, match="timed out after 4 s"):
+    # 10 s: on a loaded 2-core machine the agent, rendezvous and rank start can take several seconds
+    with pytest.raises(LaunchTimeoutError, match="timed out after 10 s"):
         notebook_launcher(
             sleep_then_touch,
             (marker, 30.0),
@@ -124,7 +125,33 @@ def test_elastic_timeout_stops_the_workers_and_raises(tmp_path, no_new_children)
             max_restarts=1,
             use_port="auto",
             sinks=[sink],
-            timeout=4,
+            timeout=10,
         )
-    assert sorted(e.rank for e in sink.events if isinstance(e, RankStopped)) == [0, 1]
+    started = sorted(e.rank for e in sink.events if isinstance(e, RankStarted))
+    assert started == [0, 1]
+    assert sorted(e.rank for e in sink.events if isinstance(e, RankStopped)) == started
     assert not any(os.path.exists(f"{marker}.{r}") for r in (0, 1))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend, node_rank", [("static", 0), ("c10d", 0), ("static", 1)])
+def test_a_missing_node_is_announced_then_named_when_the_wait_ends(monkeypatch, backend, node_rank, no_new_children):
+    """Node 0 alone (or node 1 with no node 0 to reach): a notice says what it waits for, and after the
+    rendezvous wait a NodesMissingError says what to do, instead of torch's bare timeout."""
+    from notebook_accel.launch import LaunchFinished, LaunchNotice, NodesMissingError, elastic
+
+    monkeypatch.setattr(elastic, "NODE_WAIT_NOTICE_S", 1.0)
+    sink, port = ListSink(), free_port()
+    # join_timeout is c10d's name; static calls it timeout and takes either
+    with pytest.raises(NodesMissingError) as caught:
+        notebook_launcher(
+            ranks_and_sum, num_processes=1, num_nodes=2, node_rank=node_rank, rdzv_backend=backend,
+            use_port=port, rdzv_conf={"join_timeout": 4}, sinks=[sink],
+        )  # fmt: skip
+    text = str(caught.value)
+    assert f"node {node_rank} of 2 waited 4 s at 127.0.0.1:{port}" in text, text
+    assert "its own node_rank" in text and "sets the wait" in text
+    notices = [e.text for e in sink.events if isinstance(e, LaunchNotice)]
+    assert len(notices) == 1 and f"node {node_rank} of 2: waiting for the other nodes at 127.0.0.1:{port}" in notices[0]
+    assert f"rdzv_backend={backend!r}" in notices[0] and "Gives up after 4 s" in notices[0]
+    assert isinstance(sink.events[-1], LaunchFinished) and not sink.events[-1].ok

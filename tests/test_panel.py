@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -87,6 +88,16 @@ def test_status_through_the_lifecycle():
     assert [p.status(0), p.status(1)] == ["done", "done"]
     assert 'data-rank="1" data-status="done">done</span></td><td>2.5 s</td>' in p.status_table.value
     assert '<span class="nacc-launch-status" data-status="done">finished in 2.8 s</span>' in p.header.value
+
+
+def test_a_notice_shows_in_the_header_until_ranks_start():
+    p = make()
+    p.handle(ev.LaunchNotice("node 0 of 2: waiting for the other nodes at 10.0.0.1:29500"))
+    p.flush()
+    assert re.search(r"running · \d+ s · node 0 of 2: waiting for the other nodes at 10\.0\.0\.1:29500</span>", p.header.value)
+    p.handle(ev.RankStarted(0, 4242))
+    p.flush()
+    assert "waiting for the other nodes" not in p.header.value
 
 
 def test_only_local_ranks_are_shown():

@@ -168,7 +168,7 @@ class LaunchPanel(Sink):
         self._launch = "running" if started else "pending"
         self._launch_began = time.monotonic()
         self._launch_seconds: Optional[float] = None
-        self._launch_note = ""
+        self._launch_note = self._notice = ""
         self._stop_requested = False
         self._failures: list = []
         self._all = _Log(self.max_lines)
@@ -213,6 +213,8 @@ class LaunchPanel(Sink):
         if isinstance(event, ev.RankStarted):
             r = self._rank(event.rank)
             r.pid, r.state, r.started = event.pid, "running", time.monotonic()
+            if self._launch_note == self._notice:  # "waiting for the other nodes" is over
+                self._launch_note = ""
         elif isinstance(event, ev.RankFinished):
             self._rank(event.rank).end("done", seconds=event.seconds)
         elif isinstance(event, ev.RankFailed):
@@ -224,6 +226,8 @@ class LaunchPanel(Sink):
             r = self._rank(event.rank)
             if r.state in ("pending", "running"):
                 r.end("stopped", event.reason)
+        elif isinstance(event, ev.LaunchNotice):
+            self._launch_note = self._notice = event.text
         elif isinstance(event, ev.LaunchFinished):
             self._launch_seconds = event.seconds
             if event.stopped:

@@ -6,10 +6,12 @@ from .errors import (
     LaunchFailedError,
     LaunchStoppedError,
     LaunchTimeoutError,
+    NodesMissingError,
     UnpicklableError,
 )
 from .events import (
     LaunchFinished,
+    LaunchNotice,
     LaunchStarted,
     RankFailed,
     RankFinished,
@@ -22,7 +24,7 @@ from .plan import LaunchPlan, make_plan
 from .sinks import ConsoleSink, ListSink, Sink
 
 __all__ = [
-    "ConsoleSink", "LaunchConfigError", "LaunchControl", "LaunchStoppedError", "LaunchTimeoutError", "LaunchFailedError", "LaunchFinished", "LaunchPlan", "LaunchStarted",
-    "ListSink", "RankFailed", "RankFinished", "RankOutput", "RankStarted", "RankStopped", "Sink",
+    "ConsoleSink", "LaunchConfigError", "LaunchControl", "LaunchStoppedError", "LaunchTimeoutError", "LaunchFailedError", "LaunchFinished", "LaunchNotice", "LaunchPlan",
+    "LaunchStarted", "ListSink", "NodesMissingError", "RankFailed", "RankFinished", "RankOutput", "RankStarted", "RankStopped", "Sink",
     "UnpicklableError", "debug_launcher", "make_plan", "notebook_launcher",
 ]  # fmt: skip

@@ -20,10 +20,18 @@ import threading
 import time
 
 from . import events as ev
-from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, failure_from_exit
+from .errors import (
+    LaunchFailedError,
+    LaunchStoppedError,
+    LaunchTimeoutError,
+    NodesMissingError,
+    failure_from_exit,
+)
 from .lines import LineSplitter
 
 _HEADER = struct.Struct("!Q")
+NODE_WAIT_NOTICE_S = 5.0  # no worker yet after this long: say which nodes we are waiting for
+_WAIT_KEY = {"static": "timeout", "c10d": "join_timeout"}  # the rendezvous wait, in seconds
 _FORKSERVER_PRELOAD = (
     "torch",
     "torch.distributed",
@@ -49,11 +57,9 @@ def launch_elastic(plan, function, args: tuple, sink, control) -> list:
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(_FORKSERVER_PRELOAD))
     payload = dumps(function, args)  # fails here, naming the object, before any process starts
-    hub = _Hub(plan, sink)
     endpoint = plan.rdzv_endpoint or f"{plan.master_addr}:{plan.master_port}"
-    conf = dict(plan.rdzv_conf)
-    if plan.rdzv_backend == "static":
-        conf.setdefault("rank", plan.node_rank)
+    conf = _rendezvous_conf(plan)
+    hub = _Hub(plan, sink, _waiting_text(plan, endpoint, conf))
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
     config = LaunchConfig(
@@ -102,6 +108,9 @@ def launch_elastic(plan, function, args: tuple, sink, control) -> list:
     finally:
         hub.close()
     error = outcome.get("error")
+    if error is not None and not hub.ranks and _is_rendezvous_timeout(error):
+        sink.handle(ev.LaunchFinished(False, time.monotonic() - started))
+        raise NodesMissingError(_missing_text(plan, endpoint, conf, error)) from error
     if error is not None:
         reports = hub.final_failures()
         if not reports and isinstance(error, ChildFailedError):
@@ -112,6 +121,54 @@ def launch_elastic(plan, function, args: tuple, sink, control) -> list:
         raise error
     sink.handle(ev.LaunchFinished(True, time.monotonic() - started))
     return hub.results()
+
+
+def _rendezvous_conf(plan) -> dict:
+    conf = dict(plan.rdzv_conf)
+    if plan.rdzv_backend == "static":
+        conf.setdefault("rank", plan.node_rank)
+    # torch calls the wait "timeout" for static and "join_timeout" for c10d: accept either for both.
+    key = _WAIT_KEY.get(plan.rdzv_backend)
+    other = {"timeout": "join_timeout", "join_timeout": "timeout"}.get(key)
+    if key and key not in conf and other in conf:
+        conf[key] = conf[other]
+    return conf
+
+
+def _wait_seconds(plan, conf: dict) -> int:
+    return int(conf.get(_WAIT_KEY.get(plan.rdzv_backend, "timeout"), 600))  # torch's default for both
+
+
+def _waiting_text(plan, endpoint: str, conf: dict) -> str:
+    if plan.num_nodes <= 1:
+        return ""
+    return (
+        f"node {plan.node_rank} of {plan.num_nodes}: waiting for the other nodes at {endpoint} "
+        f"(rdzv_backend={plan.rdzv_backend!r}, rdzv_id={plan.rdzv_id!r}); start the same launch on each of them "
+        f"with its node_rank. Gives up after {_wait_seconds(plan, conf)} s."
+    )
+
+
+def _is_rendezvous_timeout(error: BaseException) -> bool:
+    # c10d raises RendezvousTimeoutError (no message); static a DistStoreError "waiting for clients"
+    # on node 0, and a DistNetworkError "timed out ... trying to connect" on the others.
+    name, text = type(error).__name__, str(error)
+    return (
+        name == "RendezvousTimeoutError"
+        or (name == "DistStoreError" and "waiting for clients" in text)
+        or (name == "DistNetworkError" and "trying to connect" in text)
+    )
+
+
+def _missing_text(plan, endpoint: str, conf: dict, error: BaseException) -> str:
+    detail = f" (torch: {error})" if str(error) else ""
+    key = _WAIT_KEY.get(plan.rdzv_backend, "timeout")
+    return (
+        f"node {plan.node_rank} of {plan.num_nodes} waited {_wait_seconds(plan, conf)} s at {endpoint} and not every "
+        f"node joined{detail}. Start the same launch on every node within that time, each with num_nodes="
+        f"{plan.num_nodes}, its own node_rank and the same endpoint and rdzv_id={plan.rdzv_id!r}; check that "
+        f"{endpoint} is reachable from them. rdzv_conf={{{key!r}: seconds}} sets the wait."
+    )
 
 
 @contextlib.contextmanager
@@ -173,9 +230,10 @@ class _Conn:
 class _Hub:
     """Accepts worker connections and turns their bytes into events; keeps each rank's last attempt."""
 
-    def __init__(self, plan, sink):
+    def __init__(self, plan, sink, waiting_text: str = ""):
         self.plan = plan
         self.sink = sink
+        self.waiting_text = waiting_text  # said once if no worker has connected after NODE_WAIT_NOTICE_S
         self.tmp = tempfile.mkdtemp(prefix="notebook_accel-")
         self.path = os.path.join(self.tmp, "hub.sock")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -192,12 +250,17 @@ class _Hub:
 
     def serve_until(self, thread: threading.Thread, control) -> None:
         drained_at = None
+        notice_at = time.monotonic() + NODE_WAIT_NOTICE_S if self.waiting_text else None
         while True:
             for key, _ in self.sel.select(timeout=control.wait_limit(time.monotonic(), 0.05)):
                 if key.data is None:
                     self._accept()
                 else:
                     self._read(key.data)
+            if notice_at is not None and (self.pids or time.monotonic() >= notice_at):
+                if not self.pids and thread.is_alive():
+                    self.sink.handle(ev.LaunchNotice(self.waiting_text))
+                notice_at = None
             reason = control.check(time.monotonic())
             if reason and thread.is_alive():
                 raise (LaunchTimeoutError if control.timed_out else LaunchStoppedError)(reason)

@@ -36,6 +36,10 @@ class LaunchFailedError(ChildFailedError):
         return self.args[0]
 
 
+class NodesMissingError(TimeoutError):
+    """A multi-node launch gave up waiting at the rendezvous: not every node joined in time."""
+
+
 class LaunchStoppedError(RuntimeError):
     """The launch was ended from outside (Stop button, `timeout`); every rank was stopped."""
 

@@ -76,6 +76,13 @@ class RankStopped:
 
 
 @dataclass(frozen=True)
+class LaunchNotice:
+    """Something the person running the launch should know while it runs (a node still missing)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class LaunchFinished:
     """`stopped` says why a launch was ended from outside (Stop button, timeout, interrupt)."""
 

@@ -33,6 +33,8 @@ class ConsoleSink(Sink):
             stream.write(f"[rank {event.rank}] {event.text}\n")
         elif isinstance(event, ev.RankFailed):
             sys.stderr.write(f"[rank {event.rank}] FAILED: {event.summary()}\n")
+        elif isinstance(event, ev.LaunchNotice):
+            sys.stderr.write(f"notebook_accel: {event.text}\n")
         elif self.show_lifecycle and isinstance(event, ev.RankStarted):
             sys.stdout.write(f"[rank {event.rank}] started (pid {event.pid})\n")
 

@@ -114,7 +114,7 @@ class JupyterServer:
         else:
             open_notebook(page, self, name, timeout=timeout)
 
-    def run_all(self, page, timeout: float = 10.0) -> None:
+    def run_all(self, page, timeout: float = 30.0) -> None:
         """Run > Run All Cells in this server's front end."""
         if self.app == "notebook":
             run_all_notebook7(page, timeout=timeout)
@@ -453,7 +453,7 @@ def open_notebook(page, lab: JupyterServer, name: str, timeout: float = 60.0) ->
         ) from exc
 
 
-def run_all(page, timeout: float = 10.0) -> None:
+def run_all(page, timeout: float = 30.0) -> None:
     """Run > Run All Cells, through the menu bar as a person would."""
     ms = timeout * 1000
     page.locator("li.lm-MenuBar-item", has_text=re.compile(r"^Run$")).click(timeout=ms)
@@ -509,7 +509,7 @@ def open_notebook7(page, server: JupyterServer, name: str, timeout: float = 60.0
         ) from exc
 
 
-def run_all_notebook7(page, timeout: float = 10.0) -> None:
+def run_all_notebook7(page, timeout: float = 30.0) -> None:
     """Notebook 7's Run > Run All Cells, through its menu bar as a person would."""
     ms = timeout * 1000
     page.locator(f"{NB7_MENU_BAR} li.lm-MenuBar-item", has_text=re.compile(r"^Run$")).click(timeout=ms)

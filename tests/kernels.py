@@ -52,15 +52,34 @@ def run(kc, code: str, timeout: float = 60.0, on_message=None) -> dict:
             elif kind == "comm_msg" and content["data"].get("method") == "update":
                 seen["comms"].setdefault(content["comm_id"], {}).update(content["data"].get("state", {}))
             elif kind == "status" and content["execution_state"] == "idle":
-                seen["reply"] = kc.get_shell_msg(timeout=10)["content"]
+                seen["reply"] = _reply_to(kc, msg_id)
                 return seen
         if on_message is not None:
             on_message(seen)
     raise AssertionError(f"cell did not finish in {timeout} s: {seen}")
 
 
+def _reply_to(kc, msg_id: str) -> dict:
+    # wait_for_ready may leave kernel_info replies on the shell channel: skip anything not ours.
+    deadline = time.monotonic() + 10.0
+    while True:
+        msg = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id:
+            return msg["content"]
+
+
+def alive(process) -> bool:
+    """A psutil.Process or pid that runs and is not a zombie; False if it went away while we looked."""
+    try:
+        if not isinstance(process, psutil.Process):
+            process = psutil.Process(process)
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def kernel_children(km) -> list:
-    return [p for p in psutil.Process(km.provisioner.pid).children(recursive=True) if p.status() != "zombie"]
+    return [p for p in psutil.Process(km.provisioner.pid).children(recursive=True) if alive(p)]
 
 
 def wait_for_files(folder, names, timeout=30.0) -> None:

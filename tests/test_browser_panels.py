@@ -42,10 +42,14 @@ def test_launch_panel_and_hardware_panel_render(jupyter_lab, browser_page, tmp_p
 
     wait_for_output(page, '.nacc-launch-status[data-status="done"]', timeout=90)
     panel = page.locator(".nacc-launch").first
+    # The header, the rank table and the log are separate widgets, updated one after the other: the
+    # header can show "done" a moment before the rest of the same redraw reaches the page.
     for rank in (0, 1):
-        status = panel.locator(f'.nacc-status[data-rank="{rank}"]')
-        assert status.get_attribute("data-status") == "done"
+        panel.locator(f'.nacc-status[data-rank="{rank}"][data-status="done"]').wait_for(timeout=10_000)
     all_ranks = panel.locator('pre.nacc-log[data-view="all"]')
+    for rank in (0, 1):  # the last lines each rank printed
+        for last in (f"line 2 from rank {rank}", f"warning on rank {rank}"):
+            all_ranks.filter(has_text=last).wait_for(timeout=10_000)
     text = all_ranks.inner_text()
     for rank in (0, 1):
         for i in range(3):
@@ -62,8 +66,8 @@ def test_launch_panel_and_hardware_panel_render(jupyter_lab, browser_page, tmp_p
     long_panel.locator(".nacc-stop").click()
     long_panel.locator('.nacc-launch-status[data-status="stopped"]').wait_for(timeout=20_000)
     wait_for_output(page, "CellStoppedError", timeout=20)
-    for rank in (0, 1):
-        assert long_panel.locator(f'.nacc-status[data-rank="{rank}"]').get_attribute("data-status") == "stopped"
+    for rank in (0, 1):  # fails by timeout if a rank's row never says "stopped"
+        long_panel.locator(f'.nacc-status[data-rank="{rank}"][data-status="stopped"]').wait_for(timeout=10_000)
 
     light = screenshot(page, tmp_path / "panels-light.png")
     _switch_theme(page, "JupyterLab Dark")

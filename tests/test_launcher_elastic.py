@@ -35,8 +35,15 @@ def no_new_children():
     yield
     new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before | _mp_helpers()]
     psutil.wait_procs(new, timeout=5)
-    alive = [p for p in new if p.is_running() and p.status() != "zombie"]
-    assert not alive, f"processes left behind: {alive}"
+    left = [p for p in new if _alive(p)]
+    assert not left, f"processes left behind: {left}"
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # gone between listing and looking
+        return False
 
 
 def test_restarts_choose_elastic_engine():

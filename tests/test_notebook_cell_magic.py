@@ -115,18 +115,18 @@ def test_bf16_cell_computes_in_bf16_and_trains(executed):
     assert len(losses) == 5 and losses[-1] < losses[0] / 4, losses
 
 
-def test_timeout_stops_the_cell_after_three_seconds(executed):
-    cell, text = _cell(executed, "--timeout 3")
+def test_timeout_stops_the_cell_after_five_seconds(executed):
+    cell, text = _cell(executed, "--timeout 5")
     assert "raises-exception" in cell.metadata.get("tags", [])
     error = _error(cell)
     assert error.ename == "CellTimeoutError"
-    assert "timed out after 3 s" in error.evalue and "every rank was stopped" in error.evalue
+    assert "timed out after 5 s" in error.evalue and "every rank was stopped" in error.evalue
     steps = [int(s) for s in re.findall(r"^\[rank 0\] step (\d+) at [\d.]+ s$", text, re.M)]
     assert steps and steps == list(range(len(steps))), text
     assert steps[-1] < 10, f"the cell ran on past its timeout (it has 60 steps): {steps}"
     _, after = _cell(executed, "gave the kernel back after")
     seconds = float(re.search(r"gave the kernel back after ([\d.]+) s", after).group(1))
-    assert 3 <= seconds < 20, after
+    assert 5 <= seconds < 20, after
 
 
 def test_failing_rank_shows_the_rank_its_message_and_the_cell_line(executed):

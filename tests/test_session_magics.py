@@ -7,7 +7,7 @@ import time
 
 import psutil
 import pytest
-from kernels import kernel_children, run
+from kernels import alive, kernel_children, run
 
 
 def ok(kc, code: str, **kw) -> dict:
@@ -113,7 +113,7 @@ def test_workers_die_with_the_kernel(kernel):
     assert len(pids) == 2
     km.shutdown_kernel(now=True)  # the kernel is killed, not asked
     deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+    while any(alive(p) for p in pids):
         assert time.monotonic() < deadline, f"workers outlived their kernel: {pids}"
         time.sleep(0.05)
 

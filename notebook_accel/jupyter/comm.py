@@ -255,6 +255,7 @@ class CommSink(Sink):
         self._pending: dict = {}  # rank -> [[stream, text, transient], ...]
         self._dropped: dict = {}
         self._control = None
+        self._send_lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -268,11 +269,12 @@ class CommSink(Sink):
                 self._add_line(event)
                 self._start_flusher()
             return
-        self.flush()  # lines before a rank's end must arrive before it
         fields = dataclasses.asdict(event)
         if isinstance(event, ev.RankFailed):
             fields["summary"] = event.summary()
-        self._send(type(event).__name__, fields)
+        with self._send_lock:  # lines before a rank's end must arrive before it, even mid-flush
+            self.flush()
+            self._send(type(event).__name__, fields)
 
     def _add_line(self, e: ev.RankOutput) -> None:
         lines = self._pending.setdefault(e.rank, [])
@@ -284,11 +286,14 @@ class CommSink(Sink):
             self._dropped[e.rank] = self._dropped.get(e.rank, 0) + 1
 
     def flush(self) -> None:
-        with self._lock:
-            pending, dropped = self._pending, self._dropped
-            self._pending, self._dropped = {}, {}
-        for rank, lines in sorted(pending.items()):
-            self._send("RankOutput", {"rank": rank, "lines": lines, "dropped": dropped.get(rank, 0)})
+        # _send_lock spans take-and-send, so the flusher thread cannot send lines after an event
+        # that handle() sent meanwhile; _lock alone keeps handle()'s RankOutput path short.
+        with self._send_lock:
+            with self._lock:
+                pending, dropped = self._pending, self._dropped
+                self._pending, self._dropped = {}, {}
+            for rank, lines in sorted(pending.items()):
+                self._send("RankOutput", {"rank": rank, "lines": lines, "dropped": dropped.get(rank, 0)})
 
     def _start_flusher(self) -> None:
         if self._thread is None and not self._stop.is_set():

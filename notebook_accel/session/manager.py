@@ -148,7 +148,7 @@ class Session:
         pool = self._pool
         if pool is None:
             return []
-        reap([w for w in pool.workers if w.dead], pool.warm, 2.0, pool.cond)  # forkserver exit codes
+        reap([w for w in pool.workers if w.dead], pool.warm, 10.0, pool.cond)  # forkserver exit codes
         rows = []
         for w in pool.workers:
             rss = None

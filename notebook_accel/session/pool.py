@@ -172,7 +172,7 @@ class WorkerPool:
 
     def died(self, ranks: list, replies: dict) -> WorkerDied:
         workers = [self.workers[r] for r in ranks]
-        reap(workers, self.warm, 2.0, self.cond)  # forkserver ranks: their exit code comes late
+        reap(workers, self.warm, 10.0, self.cond)  # forkserver exit codes come late; returns when they do
         detail = "\n".join(
             f"rank {w.rank}: {w.launch_error['exc_type']}: {w.launch_error['message']}"
             for w in workers

@@ -60,6 +60,7 @@ export interface LaunchView {
   numProcesses: number;
   startMethod: string;
   ranks: Map<number, RankView>;
+  notice?: string; // "waiting for the other nodes ...", until a rank starts
   finished?: { ok: boolean; seconds: number; stopped: string; failedRanks: number[] };
 }
 
@@ -141,6 +142,10 @@ export class LaunchModel {
         return true;
       case 'RankStarted':
         launch.ranks.set(msg.rank, newRank(msg.rank, now, msg.pid));
+        launch.notice = undefined;
+        return true;
+      case 'LaunchNotice':
+        launch.notice = typeof msg.text === 'string' ? msg.text : undefined;
         return true;
       case 'RankOutput':
         addLines(rankOf(launch, msg.rank, now), msg.lines ?? [], msg.dropped ?? 0);
@@ -290,5 +295,8 @@ function launchText(launch: LaunchView): string {
   }
   const total = launch.numProcesses || ranks.length;
   const running = ranks.filter(r => r.state === 'running').length;
+  if (!running && launch.notice) {
+    return 'waiting for the other nodes';
+  }
   return `${running}/${total} ranks running`;
 }

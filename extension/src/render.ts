@@ -88,6 +88,7 @@ export function renderLaunch(launch: LaunchView, now: number, current: boolean):
     `processes${how}</span> <span class="nacc-x-state nacc-x-${state}">${state}</span> ` +
     `<span class="nacc-x-muted">${took}</span>${stop}</div>` +
     (f?.stopped ? `<div class="nacc-x-detail">${esc(f.stopped)}</div>` : '') +
+    (!f && launch.notice ? `<div class="nacc-x-detail nacc-x-notice">${esc(launch.notice)}</div>` : '') +
     '<table class="nacc-x-table nacc-x-ranks"><tr><th>rank</th><th>state</th><th>pid</th><th>elapsed</th></tr>' +
     ranks.map(r => renderRank(r, now)).join('') +
     '</table></div>'

@@ -183,3 +183,16 @@ test('notices are queued once for the page to show', () => {
   ]);
   assert.deepEqual(model.takeNotices(), []);
 });
+
+test('a multi-node notice shows until a rank starts', () => {
+  const model = new LaunchModel();
+  model.apply(HELLO);
+  model.apply(ev('LaunchStarted', { num_processes: 2, start_method: 'forkserver' }), 0);
+  assert.equal(statusText(model, 2), '0/2 ranks running');
+  model.apply(ev('LaunchNotice', { text: 'node 0 of 2: waiting for the other nodes at 10.0.0.1:29500' }), 0);
+  assert.equal(statusText(model, 2), 'waiting for the other nodes');
+  assert.match(model.current!.notice ?? '', /at 10\.0\.0\.1:29500/);
+  model.apply(ev('RankStarted', { rank: 0, pid: 10 }), 0);
+  assert.equal(model.current!.notice, undefined);
+  assert.equal(statusText(model, 2), '1/2 ranks running');
+});

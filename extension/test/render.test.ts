@@ -68,3 +68,13 @@ test('the session: per-rank rows with Restart and Stop session; none: a Start bu
 test('not connected: no session section', () => {
   assert.doesNotMatch(renderPanel(new LaunchModel(), 'nb.ipynb'), /Session/);
 });
+
+test('a running launch shows its notice; a finished one does not', () => {
+  const model = new LaunchModel();
+  model.apply({ type: 'hello', hardware: null, preview: null });
+  model.apply({ type: 'event', launch: 1, event: 'LaunchStarted', num_processes: 1, start_method: 'fork' }, 0);
+  model.apply({ type: 'event', launch: 1, event: 'LaunchNotice', text: 'waiting for <node 1>' }, 0);
+  assert.match(renderPanel(model, 'nb.ipynb', 0), /class="nacc-x-detail nacc-x-notice">waiting for &lt;node 1&gt;</);
+  model.apply({ type: 'event', launch: 1, event: 'LaunchFinished', ok: false, seconds: 600, stopped: '' }, 0);
+  assert.doesNotMatch(renderPanel(model, 'nb.ipynb', 0), /nacc-x-notice/);
+});

@@ -386,7 +386,12 @@ class DataLoaderStateMixin:
 
     # -- epochs -------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Use `epoch` from now on, and pass it to the sampler (or, failing that, the dataset)."""
+        """Use `epoch` from now on, and pass it to the sampler (or, failing that, the dataset).
+
+        Moving a restored loader to another epoch drops the restored position: it belonged to the
+        saved epoch, and that epoch's order is not the one this epoch draws."""
+        if self._resume_pending and epoch != self.iteration and not self._iterating:
+            self._resume_pending, self._epoch_rng, self._resume_skip, self._position = False, None, 0, 0
         self.iteration = epoch
         for sampler in _sampler_chain(self):
             if hasattr(sampler, "set_epoch"):

@@ -121,6 +121,25 @@ def test_load_state_restores_the_position_only_for_a_stateful_loader(tmp_path, c
 
 
 @pytest.mark.timeout(60)
+def test_set_epoch_to_another_epoch_drops_a_restored_position(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    _epochs_of_indices(folder, stateful=True, save_after=6)
+    _fresh()
+    from notebook_accel.utils import DataLoaderConfiguration
+
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    data = torch.utils.data.TensorDataset(torch.arange(64))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator()))
+    accelerator.load_state(folder)
+    assert loader.state_dict()["batches_yielded"] == 6
+    loader.set_epoch(1)  # the saved epoch: the position stays
+    assert loader.state_dict()["batches_yielded"] == 6
+    loader.set_epoch(2)
+    batches = [b for (b,) in loader]
+    assert len(batches) == 16 and sorted(torch.cat(batches).tolist()) == list(range(64))
+
+
+@pytest.mark.timeout(60)
 def test_fp16_overflow_skips_optimizer_and_scheduler_step():
     accelerator = Accelerator(mixed_precision="fp16")
     model = torch.nn.Linear(4, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 
 import pytest
@@ -227,3 +228,14 @@ def test_fork_after_cuda_initialisation_is_refused_before_any_process_starts(mon
     with pytest.raises(LaunchConfigError, match=r"start_method='spawn'"):
         make_plan(num_processes=2, use_port="auto", start_method="fork")
     assert make_plan(num_processes=2, use_port="auto", start_method="spawn").start_method == "spawn"
+
+
+def test_after_cuda_initialisation_one_process_still_runs_here(monkeypatch):
+    """A single-GPU notebook that already used CUDA: notebook_launcher(fn) runs fn in this process
+    (nothing forks), as accelerate does; so does an elastic launch, whose ranks come from a fresh forkserver."""
+    from notebook_accel import notebook_launcher
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert make_plan(num_processes=1, use_port="auto", start_method="fork").num_processes == 1
+    assert make_plan(num_processes=2, use_port="auto", max_restarts=1).engine == "elastic"
+    assert notebook_launcher(os.getpid, num_processes=1) == [os.getpid()]

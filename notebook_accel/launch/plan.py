@@ -144,8 +144,11 @@ def make_plan(
             f"{devices}, or pass cpu=True to run {num_processes} CPU processes."
         )
 
-    if start_method == "fork":
-        _check_fork_is_safe()
+    # Only a local launch of several ranks forks this process: one rank runs here (as in accelerate),
+    # and the elastic engine forks from a fresh forkserver. A single-GPU notebook that already
+    # used CUDA must still be able to run notebook_launcher(fn).
+    if start_method == "fork" and not (engine == "local" and num_processes == 1):
+        _check_fork_is_safe(cuda_matters=engine == "local")
     if engine == "elastic" and rdzv_backend == "static" and num_nodes > 1 and not master_addr:
         raise LaunchConfigError("num_nodes > 1 with rdzv_backend='static' needs master_addr (the node-0 address).")
 
@@ -276,11 +279,11 @@ def _visible_devices(family, gpu_ids, devices: int):
     return _VISIBLE_ENV[family], ",".join(map(str, ids))
 
 
-def _check_fork_is_safe() -> None:
+def _check_fork_is_safe(cuda_matters: bool = True) -> None:
     if sys.platform == "win32":
         raise LaunchConfigError("start_method='fork' is not available on Windows; use start_method='spawn'.")
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
+    if cuda_matters and torch is not None and torch.cuda.is_initialized():
         raise LaunchConfigError(
             "CUDA is already initialised in this process, and forked children cannot use it (CUDA is not "
             "fork-safe). Use start_method='spawn' (or 'forkserver'), or restart the kernel and keep CUDA "

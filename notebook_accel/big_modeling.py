@@ -29,6 +29,7 @@ from .hooks import (
 from .utils.environment import parse_bool
 from .utils.modeling import (
     check_device_map,
+    check_devices_exist,
     device_for,
     find_tied_parameters,
     get_balanced_memory,
@@ -331,6 +332,7 @@ def dispatch_model(
     returns outputs on the device of its inputs. Sets `model.hf_device_map`.
     """
     check_device_map(model, device_map)
+    check_devices_exist(device_map)
     devices = set(device_map.values())
     if main_device is None:
         if devices <= {"cpu", "disk"}:

@@ -402,3 +402,22 @@ def test_checkpoint_missing_keys_are_listed(tmp_path):
 def test_bad_device_map_string_raises():
     with pytest.raises(ValueError, match="balanced_low_0"):
         load_checkpoint_and_dispatch(_lm(), "unused.safetensors", device_map="everywhere")
+
+
+def test_a_device_this_machine_lacks_is_named_before_anything_moves(tmp_path):
+    """On a CPU-only machine (as here) an accelerator id fails at dispatch, not at the first forward."""
+    from notebook_accel.hardware import accelerators
+
+    have = sorted(a.index for a in accelerators() if a.kind == "cuda")
+    bad = dict(LM_MAP, **{"blocks.1": 0 if not have else len(have)})
+    expected = "no cuda device" if not have else rf"the cuda devices here are \[{', '.join(map(str, have))}\]"
+    model = _lm()
+    with pytest.raises(ValueError, match=rf"device_map\['blocks\.1'\] = {bad['blocks.1']}, but .*{expected}"):
+        dispatch_model(model, bad, offload_dir=tmp_path)
+    assert "_hf_hook" not in model.__dict__ and all(p.device.type == "cpu" for p in model.parameters())
+    _, path = _lm_checkpoint(tmp_path)
+    with init_empty_weights():
+        empty = TinyLM()
+    with pytest.raises(ValueError, match=expected):
+        load_checkpoint_and_dispatch(empty, path, device_map=bad, offload_folder=tmp_path / "off")
+    assert not (tmp_path / "off").exists()  # nothing was written before the error

@@ -21,6 +21,7 @@ from .modeling import (
     _converts,
     _owner,
     check_device_map,
+    check_devices_exist,
     device_for,
     find_tied_parameters,
     named_module_tensors,
@@ -214,6 +215,7 @@ def load_checkpoint_in_model(
     del offload_state_dict, offload_8bit_bnb  # see the docstring
     if device_map is not None:
         check_device_map(model, device_map)
+        check_devices_exist(device_map)
         disk = [k for k, v in device_map.items() if v == "disk"]
         if disk and offload_folder is None:
             raise ValueError(

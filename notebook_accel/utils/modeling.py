@@ -330,6 +330,36 @@ def _check_device_value(key, device) -> None:
         raise ValueError(f"device_map[{key!r}] = {device!r} is not a device: use {_KNOWN_DEVICES}.")
 
 
+_PROBED_KINDS = ("cuda", "xpu", "npu", "mlu", "musa", "hpu", "mps", "sdaa")
+
+
+def check_devices_exist(device_map: dict) -> None:
+    """Raise ValueError for a device-map value naming an accelerator this process does not have.
+
+    Without this, weights placed on `0` on a CPU-only machine fail only at forward time, with
+    torch's "cannot access accelerator device". Asks hardware.py, which leaves CUDA uninitialised.
+    """
+    from ..hardware import accelerators
+
+    for key, device in device_map.items():
+        if device in ("disk", "meta", "cpu") or isinstance(device, bool):
+            continue
+        target = to_torch_device(device)
+        if target.type not in _PROBED_KINDS:  # cpu, meta, xla: nothing to count here
+            continue
+        have = sorted(a.index for a in accelerators() if a.kind == target.type)
+        if not have:
+            raise ValueError(
+                f"device_map[{key!r}] = {device!r}, but this machine has no {target.type} device: map it to "
+                "'cpu' or 'disk', or pass device_map='auto'."
+            )
+        if target.index is not None and target.index not in have:
+            raise ValueError(
+                f"device_map[{key!r}] = {device!r}, but the {target.type} devices here are {have}: "
+                "use one of those, 'cpu' or 'disk'."
+            )
+
+
 def check_device_map(model: torch.nn.Module, device_map: dict) -> None:
     """Raise ValueError unless `device_map` names only real modules/tensors and covers every tensor."""
     if not isinstance(device_map, dict):

@@ -1,0 +1,508 @@
+"""Checks that need an NVIDIA GPU: run once on a CUDA machine, read the JSON afterwards.
+
+    python tools/gpu_check.py [--out DIR]      # DIR defaults to $OUT; writes DIR/gpu_check.json
+
+One line per check (PASS / FAIL / SKIP); exit code 1 if any check failed. Without CUDA every
+CUDA check is skipped and the exit code is 0 (tests/test_gpu_check.py runs it that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # run from a checkout that is not installed, too
+
+CHILD_TIMEOUT_S = 150
+LAUNCH_TIMEOUT_S = 90  # inside a child: a hung rank becomes a LaunchTimeoutError, not a hung child
+NO_CUDA = "no CUDA device"
+RANKS_MODULE_NAME = "_gpu_check_ranks"
+
+# Written to a temp folder: spawned ranks import it by reference (cloudpickle), forked ranks need no import.
+RANKS_MODULE = '''
+import os
+
+import torch
+import torch.distributed as dist
+
+from notebook_accel import PartialState
+
+
+def rank_report():
+    state = PartialState()
+    total = torch.tensor([float(state.process_index + 1)], device=state.device)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    # With one GPU the ranks run gloo on the CPU; touching cuda:0 shows each child can still use it.
+    gpu = state.device if state.device.type == "cuda" else torch.device("cuda", 0)
+    cuda_sum = torch.ones(1024, device=gpu).sum().item()
+    return {
+        "rank": state.process_index, "pid": os.getpid(), "backend": state.backend,
+        "distributed_type": getattr(state.distributed_type, "value", str(state.distributed_type)),
+        "device": str(state.device), "current_device": torch.cuda.current_device(),
+        "all_reduce": total.item(), "cuda_sum": cuda_sum,
+    }
+'''
+
+REPORT_CHILD = r"""
+import json
+import torch
+import notebook_accel
+from notebook_accel import hardware
+
+report = hardware.report()
+out = {"report": report.to_dict(), "summary": report.summary(), "initialized": torch.cuda.is_initialized(),
+       "torch_device_count": torch.cuda.device_count()}
+out["initialized_after_count"] = torch.cuda.is_initialized()
+if out["torch_device_count"]:
+    # Only now, after the answer above: what torch itself says, to compare with NVML's view.
+    out["torch_names"] = [torch.cuda.get_device_name(i) for i in range(out["torch_device_count"])]
+    out["torch_capabilities"] = [list(torch.cuda.get_device_capability(i))
+                                 for i in range(out["torch_device_count"])]
+print("RESULT " + json.dumps(out))
+"""
+
+LAUNCH_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from notebook_accel import notebook_launcher
+import _gpu_check_ranks as ranks
+
+# nccl refuses two ranks on one GPU: with one GPU, two gloo ranks that each use cuda:0.
+cpu = torch.cuda.device_count() < 2
+results = notebook_launcher(ranks.rank_report, num_processes=2, use_port="auto", cpu=cpu, timeout=float(sys.argv[2]))
+print("RESULT " + json.dumps({"cpu": cpu, "results": results, "initialized": torch.cuda.is_initialized()}))
+"""
+
+FORK_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import psutil
+import torch
+from notebook_accel import notebook_launcher
+import _gpu_check_ranks as ranks
+
+cpu = torch.cuda.device_count() < 2
+torch.zeros(1, device="cuda")
+out = {"cpu": cpu, "initialized": torch.cuda.is_initialized()}
+
+
+def attempt(**kwargs):
+    try:
+        return {"results": notebook_launcher(ranks.rank_report, use_port="auto", timeout=float(sys.argv[2]), **kwargs)}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+
+def children():
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+out["fork"] = attempt(num_processes=2, cpu=cpu)  # the default start method
+out["children_after_fork"] = children()
+out["spawn"] = attempt(num_processes=2, cpu=cpu, start_method="spawn")
+out["children_after_spawn"] = children()
+# One rank runs in this process, so nothing forks: it must run (a single-GPU notebook's case).
+out["one_process_default"] = attempt(num_processes=1)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _child(code: str, *argv: str) -> dict:
+    """Run `code` in a fresh interpreter (nothing initialised yet); return the JSON it prints last."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=CHILD_TIMEOUT_S, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip() or done.stdout.strip())[-2000:]
+        raise RuntimeError(f"child exited with {done.returncode}: {tail}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def skip(reason: str) -> dict:
+    return {"ok": None, "detail": reason}
+
+
+def verdict(problems: list, detail: str, **figures) -> dict:
+    return {"ok": not problems, "detail": "; ".join(problems) or detail, **figures}
+
+
+# -- 1-3: fresh interpreters, before this process touches CUDA ----------------------------------
+
+
+def check_hardware_report(cuda: bool) -> dict:
+    res = _child(REPORT_CHILD)
+    devices = [d for d in res["report"]["accelerators"] if d["kind"] == "cuda"]
+    problems = []
+    if res["initialized"] or res["initialized_after_count"]:
+        problems.append("hardware.report() (or device_count) initialised CUDA")
+    if cuda:
+        if len(devices) != res["torch_device_count"]:
+            problems.append(f"report lists {len(devices)} CUDA devices, torch counts {res['torch_device_count']}")
+        for d, name, cc in zip(devices, res.get("torch_names", []), res.get("torch_capabilities", [])):
+            if d["compute_capability"] != cc:
+                problems.append(f"device {d['index']}: report capability {d['compute_capability']}, torch {cc}")
+            if d["name"] != name:
+                problems.append(f"device {d['index']}: report name {d['name']!r}, torch {name!r}")
+            if not d["total_memory"]:
+                problems.append(f"device {d['index']}: no total memory in the report")
+            if cc and d["supports_bf16"] != (tuple(cc) >= (8, 0)):
+                problems.append(f"device {d['index']}: bf16 flag {d['supports_bf16']} for capability {cc}")
+            if cc and d["supports_fp8"] != (tuple(cc) >= (8, 9)):
+                problems.append(f"device {d['index']}: fp8 flag {d['supports_fp8']} for capability {cc}")
+    fields = [
+        {k: d[k] for k in ("index", "name", "total_memory", "free_memory", "compute_capability",
+                           "supports_bf16", "supports_fp16", "supports_fp8")}
+        for d in devices
+    ]  # fmt: skip
+    detail = f"{res['summary']}; torch.cuda.is_initialized() stayed False"
+    return verdict(problems, detail, summary=res["summary"], devices=fields,
+                   initialized_after_report=res["initialized"])  # fmt: skip
+
+
+def _check_ranks(results: list, cpu: bool, problems: list, label: str) -> None:
+    ranks = sorted(results, key=lambda r: r["rank"])
+    backend = "gloo" if cpu else "nccl"
+    if [r["rank"] for r in ranks] != [0, 1]:
+        problems.append(f"{label}: ranks {[r['rank'] for r in ranks]}, expected [0, 1]")
+    for r in ranks:
+        expected_device = 0 if cpu else r["rank"]
+        if r["backend"] != backend:
+            problems.append(f"{label}: rank {r['rank']} backend {r['backend']}, expected {backend}")
+        if r["current_device"] != expected_device:
+            problems.append(f"{label}: rank {r['rank']} on cuda:{r['current_device']}, expected cuda:{expected_device}")
+        if r["all_reduce"] != 3.0 or r["cuda_sum"] != 1024.0:
+            problems.append(f"{label}: rank {r['rank']} all_reduce {r['all_reduce']}, cuda sum {r['cuda_sum']}")
+
+
+def check_launcher(tmp: str) -> dict:
+    res = _child(LAUNCH_CHILD, tmp, str(LAUNCH_TIMEOUT_S))
+    problems = ["the launching process initialised CUDA"] if res["initialized"] else []
+    _check_ranks(res["results"], res["cpu"], problems, "fork")
+    backend = res["results"][0]["backend"] if res["results"] else None
+    how = "2 gloo ranks each using cuda:0 (one GPU: nccl needs two)" if res["cpu"] else "2 nccl ranks"
+    return verdict(problems, f"{how}; the parent's CUDA stayed uninitialised", backend=backend,
+                   one_gpu_fallback=res["cpu"], results=res["results"])  # fmt: skip
+
+
+def check_fork_refused(tmp: str) -> dict:
+    res = _child(FORK_CHILD, tmp, str(LAUNCH_TIMEOUT_S))
+    problems = [] if res["initialized"] else ["torch.zeros(device='cuda') left CUDA uninitialised"]
+    fork = res["fork"]
+    if fork.get("error") != "LaunchConfigError":
+        problems.append(f"fork after CUDA init gave {fork.get('error') or 'no error'}, expected LaunchConfigError")
+    elif not all(word in fork["message"] for word in ("spawn", "forkserver")):
+        problems.append(f"the refusal does not name spawn and forkserver: {fork['message']!r}")
+    if res["children_after_fork"]:
+        problems.append(f"processes left after the refusal: {res['children_after_fork']}")
+    if "results" in res["spawn"]:
+        _check_ranks(res["spawn"]["results"], res["cpu"], problems, "spawn")
+    else:
+        problems.append(f"spawn after CUDA init failed: {res['spawn']['error']}: {res['spawn']['message'][-500:]}")
+    if res["children_after_spawn"]:
+        problems.append(f"processes left after the spawn launch: {res['children_after_spawn']}")
+    one = res["one_process_default"]
+    if "error" in one:
+        problems.append(f"one process after CUDA init was refused: {one['error']}: {one['message'][-300:]}")
+    return verdict(
+        problems, "fork refused with LaunchConfigError naming spawn/forkserver; spawn then ran; no process left",
+        refusal=fork.get("message"), one_gpu_fallback=res["cpu"],
+        one_process_default_after_cuda_init=one.get("error") or "ran in the caller",
+    )  # fmt: skip
+
+
+# -- 4: training steps in this process ------------------------------------------------------------
+
+
+def _reset_states() -> None:
+    from notebook_accel.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _train(mixed_precision: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator(mixed_precision=mixed_precision)
+    torch.manual_seed(0)
+    x = torch.randn(1024, 256)
+    y = x @ (torch.randn(256, 256) / 16)
+    loader = DataLoader(TensorDataset(x, y), batch_size=256)
+    # Multiples of 16 everywhere: torchao's fp8 matmuls need them.
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))  # after fp8 conversion
+    seen = []
+    hook = first.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    losses, times, skipped, out_dtype = [], [], 0, None
+    for _ in range(5):
+        for xb, yb in loader:
+            start = time.perf_counter()
+            out = model(xb)
+            loss = F.mse_loss(out, yb)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1000)
+            losses.append(loss.item())
+            skipped += accelerator.optimizer_step_was_skipped
+            out_dtype = out_dtype or str(out.dtype)
+    hook.remove()
+    scaler = accelerator.scaler
+    figures = {
+        "device": str(accelerator.device), "linear_class": type(first).__name__,
+        "inner_dtype": str(seen[0]) if seen else None, "output_dtype": out_dtype,
+        "first_loss": sum(losses[:4]) / 4, "last_loss": sum(losses[-4:]) / 4, "steps": len(losses),
+        "skipped_steps": skipped, "ms_per_step": statistics.median(times[-10:]),
+        "grad_scaler": type(scaler).__name__ if scaler is not None else None,
+        "scale": float(scaler.get_scale()) if scaler is not None else None,
+    }  # fmt: skip
+    del model, optimizer, loader, accelerator, first
+    return figures
+
+
+def check_training(mixed_precision: str, timings: dict) -> dict:
+    import math
+
+    import torch
+
+    from notebook_accel.utils.imports import is_torchao_available
+
+    _reset_states()
+    try:
+        capability = tuple(torch.cuda.get_device_capability(0))
+        if mixed_precision == "fp8" and (capability < (8, 9) or not is_torchao_available()):
+            # Both cases must be refused when the Accelerator is built, never run silently in fp32.
+            from notebook_accel import Accelerator
+
+            try:
+                Accelerator(mixed_precision="fp8")
+                refusal = None
+            except ValueError as exc:
+                refusal = str(exc)
+            if refusal is None:
+                return {"ok": False, "detail": f"fp8 on capability {capability} was accepted without torchao "
+                        "or hardware support"}  # fmt: skip
+            if capability < (8, 9):
+                return {"ok": True, "detail": f"capability {capability}: refused: {refusal}", "refusal": refusal}
+            return {**skip("torchao not installed"), "refusal": refusal}
+        figures = _train(mixed_precision)
+    finally:
+        _reset_states()
+        gc.collect()
+        torch.cuda.empty_cache()
+    timings[mixed_precision] = figures["ms_per_step"]
+    if "no" in timings and mixed_precision != "no":
+        figures["vs_fp32"] = figures["ms_per_step"] / timings["no"]
+    expected = {"no": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(mixed_precision)
+    problems = []
+    if not (math.isfinite(figures["first_loss"]) and math.isfinite(figures["last_loss"])):
+        problems.append(f"loss not finite: {figures['first_loss']} -> {figures['last_loss']}")
+    elif figures["last_loss"] >= figures["first_loss"]:
+        problems.append(f"loss did not decrease: {figures['first_loss']:.4f} -> {figures['last_loss']:.4f}")
+    if figures["device"] != "cuda:0":
+        problems.append(f"trained on {figures['device']}, expected cuda:0")
+    if expected and figures["inner_dtype"] != expected:
+        problems.append(f"first Linear returned {figures['inner_dtype']}, expected {expected}")
+    if mixed_precision != "no" and figures["output_dtype"] != "torch.float32":
+        problems.append(f"model output {figures['output_dtype']}, expected torch.float32")
+    if (figures["grad_scaler"] is not None) != (mixed_precision == "fp16"):
+        problems.append(f"grad scaler {figures['grad_scaler']} with {mixed_precision}")
+    if mixed_precision == "fp8" and "Float8" not in figures["linear_class"]:
+        problems.append(f"Linear layers not converted for fp8: {figures['linear_class']}")
+    ratio = f", {figures['vs_fp32']:.2f}x fp32" if "vs_fp32" in figures else ""
+    detail = (f"loss {figures['first_loss']:.4f} -> {figures['last_loss']:.4f}, inner {figures['inner_dtype']}, "
+              f"{figures['ms_per_step']:.2f} ms/step{ratio}")  # fmt: skip
+    return verdict(problems, detail, **figures)
+
+
+# -- 5: device maps and offload onto cuda:0 -------------------------------------------------------
+
+
+def check_dispatch() -> dict:
+    import copy
+
+    import torch
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from notebook_accel import (
+        cpu_offload,
+        dispatch_model,
+        infer_auto_device_map,
+        init_empty_weights,
+        load_checkpoint_and_dispatch,
+    )
+
+    torch.set_float32_matmul_precision("highest")  # TF32 alone would miss atol=1e-4
+
+    def build():
+        return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+
+    torch.manual_seed(0)
+    reference = build().eval()
+    x = torch.randn(4, 1024)
+    with torch.no_grad():
+        expected = reference(x)
+    full_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    problems, figures = [], {"model_bytes": full_bytes}
+
+    def run(label: str, model, base: int) -> None:
+        with torch.no_grad():
+            out = model(x)
+        peak = torch.cuda.max_memory_allocated() - base
+        figures[f"{label}_peak_bytes"] = peak
+        figures[f"{label}_max_abs_diff"] = (out.cpu() - expected).abs().max().item()
+        if not torch.allclose(out.cpu(), expected, atol=1e-4):
+            problems.append(f"{label}: output differs by {figures[f'{label}_max_abs_diff']:.2e}")
+        if peak >= full_bytes:
+            problems.append(f"{label}: peak GPU memory {peak} bytes >= the whole model's {full_bytes}")
+
+    def start() -> int:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = os.path.join(tmp, "model.safetensors")
+        save_file(reference.state_dict(), checkpoint)
+
+        device_map = {"0": 0, "1": 0, "2": 0, "3": "cpu", "4": "cpu", "5": "disk", "6": "disk", "7": "disk"}
+        base = start()
+        with init_empty_weights():
+            model = build()
+        model = load_checkpoint_and_dispatch(model, checkpoint, device_map=device_map,
+                                             offload_folder=os.path.join(tmp, "explicit"))  # fmt: skip
+        placed = {name: str(model[int(name)].weight.device) for name in device_map}
+        wanted = {name: "cuda:0" if d == 0 else "meta" for name, d in device_map.items()}
+        if placed != wanted:
+            problems.append(f"explicit map: parameters on {placed}, expected {wanted}")
+        run("explicit_map", model, base)
+        del model
+
+        budget = {0: "13MiB", "cpu": "13MiB"}  # about 3 blocks each: some on the GPU, some on cpu and disk
+        base = start()
+        with init_empty_weights():
+            model = build()
+        model = load_checkpoint_and_dispatch(model, checkpoint, device_map="auto", max_memory=budget,
+                                             offload_folder=os.path.join(tmp, "auto"))  # fmt: skip
+        figures["auto_map"] = {k: str(v) for k, v in model.hf_device_map.items()}
+        used = set(figures["auto_map"].values())
+        if "0" not in used or not used & {"cpu", "disk"}:
+            problems.append(f"auto map under {budget} did not split GPU/offload: {figures['auto_map']}")
+        run("auto_map", model, base)
+        del model
+
+        base = start()
+        model = copy.deepcopy(reference)
+        planned = infer_auto_device_map(model, max_memory={0: "13MiB", "cpu": "1GiB"})
+        figures["dispatch_model_map"] = {k: str(v) for k, v in planned.items()}
+        run("dispatch_model", dispatch_model(model, planned), base)
+        del model
+
+        base = start()
+        model = cpu_offload(copy.deepcopy(reference), execution_device=0)
+        if any(p.device.type != "meta" for p in model.parameters()):
+            problems.append("cpu_offload left parameters off the meta device")
+        run("cpu_offload", model, base)
+        del model
+
+    detail = ("4 placements match the CPU reference; peak GPU memory (MiB) "
+              + ", ".join(f"{k[:-11]} {v / 2**20:.1f}" for k, v in figures.items() if k.endswith("_peak_bytes"))
+              + f" vs model {full_bytes / 2**20:.1f}")  # fmt: skip
+    return verdict(problems, detail, **figures)
+
+
+# -- running them ---------------------------------------------------------------------------------
+
+
+def run_check(name: str, function, *args) -> dict:
+    start = time.monotonic()
+    try:
+        result = function(*args)
+    except Exception as exc:
+        result = {"ok": False, "detail": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    result = {"name": name, **result, "seconds": round(time.monotonic() - start, 2)}
+    word = {True: "PASS", False: "FAIL", None: "SKIP"}[result["ok"]]
+    print(f"{word} {name}: {result['detail']}", flush=True)
+    return result
+
+
+def header(cuda: bool) -> dict:
+    import torch
+
+    from notebook_accel import hardware
+
+    names = [d.name for d in hardware.accelerators() if d.kind == "cuda"]  # NVML: CUDA stays uninitialised
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": cuda,
+            "device_count": torch.cuda.device_count(), "devices": names, "python": sys.version.split()[0]}  # fmt: skip
+    print(f"torch {info['torch']} | CUDA {info['cuda']} | {info['device_count']} device(s): "
+          f"{', '.join(names) or 'none'}", flush=True)  # fmt: skip
+    return info
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json (default: $OUT)")
+    args = parser.parse_args(argv)
+    # A developer's launch config file must not change what is checked.
+    os.environ["NOTEBOOK_ACCEL_CONFIG_FILE"] = os.path.join(REPO, "no-such-gpu-check-config.yaml")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    info = header(cuda)
+    timings: dict = {}
+
+    def needs_cuda(function, *fargs):
+        return (lambda: skip(NO_CUDA)) if not cuda else (lambda: function(*fargs))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, RANKS_MODULE_NAME + ".py"), "w") as f:
+            f.write(RANKS_MODULE)
+        checks = [
+            ("hardware_report_leaves_cuda_uninitialised", lambda: check_hardware_report(cuda)),
+            ("launcher_leaves_cuda_uninitialised", needs_cuda(check_launcher, tmp)),
+            ("fork_after_cuda_init_is_refused", needs_cuda(check_fork_refused, tmp)),
+            # Everything below initialises CUDA in this process, so it comes after the fresh children.
+            ("training_step_fp32", needs_cuda(check_training, "no", timings)),
+            ("training_step_bf16", needs_cuda(check_training, "bf16", timings)),
+            ("training_step_fp16", needs_cuda(check_training, "fp16", timings)),
+            ("training_step_fp8", needs_cuda(check_training, "fp8", timings)),
+            ("dispatch_and_offload_to_cuda0", needs_cuda(check_dispatch)),
+        ]
+        results = [run_check(name, function) for name, function in checks]
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump({"header": info, "checks": results}, f, indent=2, default=str)
+    failed = [r["name"] for r in results if r["ok"] is False]
+    print(f"{len(results) - len(failed)} of {len(results)} checks did not fail" + (f"; failed: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,7 +2,6 @@
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 
@@ -10,19 +9,15 @@ pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-from notebook_accel.demo import cell_texts, run_notebook  # noqa: E402
-
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "big_model_offload.ipynb"
+from notebooks import execute  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
 def executed():
-    nb, error = run_notebook(str(NOTEBOOK), timeout=180)
-    assert error is None, f"the big-model notebook failed:\n{error}"
-    cells = [c for c in nb.cells if c.cell_type == "code"]
-    return cells, "".join("".join(cell_texts(c)) for c in cells)
+    pairs = execute("big_model_offload.ipynb", timeout=180, label="the big-model notebook")
+    return [c for _, c in pairs], "".join(text for text, _ in pairs)
 
 
 def _number(pattern, text):

@@ -1,16 +1,15 @@
 """notebooks/cell_magic.ipynb, executed once in a real kernel; the checks read what its cells printed."""
 
 import re
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-from notebook_accel.demo import cell_texts, run_notebook  # noqa: E402
+from notebook_accel.demo import cell_texts  # noqa: E402
+from notebooks import execute  # noqa: E402
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "cell_magic.ipynb"
 SHARD_NAMES = "['DataLoader', 'ShardStats', 'train_set']"  # what the spawn cell reads from the notebook
 
 pytestmark = pytest.mark.timeout(180)
@@ -18,9 +17,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def executed():
-    nb, error = run_notebook(str(NOTEBOOK), timeout=150)
-    assert error is None, f"the cell-magic notebook failed:\n{error}"
-    return [c for c in nb.cells if c.cell_type == "code"]
+    return [c for _, c in execute("cell_magic.ipynb", label="the cell-magic notebook")]
 
 
 def _cell(cells, marker):

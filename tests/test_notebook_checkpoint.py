@@ -1,8 +1,6 @@
 """notebooks/checkpoint_and_resume.ipynb, executed once in a real kernel: what its cells print and draw."""
 
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 
@@ -10,18 +8,14 @@ pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-from notebook_accel.demo import cell_texts, run_notebook  # noqa: E402
+from notebooks import cell as _cell  # noqa: E402
+from notebooks import execute  # noqa: E402
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "checkpoint_and_resume.ipynb"
 STEPS = 5 * 16  # 5 epochs of 16 batches per rank
 FILES = [
     "custom_checkpoint_0.pkl", "dl_state_dict.bin", "dl_state_dict_rank1.bin", "model.safetensors",
     "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin",
 ]  # fmt: skip
-
-
-def _cell(executed, marker):
-    return next((text, cell) for text, cell in executed if marker in cell.source)
 
 
 def _folders(text, label):
@@ -36,17 +30,7 @@ def _checkpoints(n):
 
 @pytest.fixture(scope="module")
 def executed():
-    leftovers_before = set(NOTEBOOK.parent.glob("checkpoint-demo-*"))
-    try:
-        nb, error = run_notebook(str(NOTEBOOK), timeout=150)
-    finally:
-        # A failing cell skips the notebook's own clean-up: do it here.
-        leftovers = set(NOTEBOOK.parent.glob("checkpoint-demo-*")) - leftovers_before
-        for folder in leftovers:
-            shutil.rmtree(folder, ignore_errors=True)
-    assert error is None, f"the notebook failed:\n{error}"
-    assert not leftovers, f"the notebook left {leftovers} behind"
-    return [("".join(cell_texts(c)), c) for c in nb.cells if c.cell_type == "code"]
+    return execute("checkpoint_and_resume.ipynb", leftovers_glob="checkpoint-demo-*")
 
 
 @pytest.mark.timeout(240)

@@ -3,16 +3,15 @@ the checks read what its cells printed, including what the explicitly built laun
 
 import os
 import re
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-from notebook_accel.demo import cell_texts, run_notebook  # noqa: E402
+from notebook_accel.demo import cell_texts  # noqa: E402
+from notebooks import cell, execute  # noqa: E402
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "hardware_and_logs.ipynb"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 TOTAL = sum(range(40))  # what work(40) returns
 
@@ -21,15 +20,13 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def executed():
-    nb, error = run_notebook(str(NOTEBOOK), timeout=150)
-    assert error is None, f"the hardware-and-logs notebook failed:\n{error}"
-    return [c for c in nb.cells if c.cell_type == "code"]
+    return execute("hardware_and_logs.ipynb", label="the hardware-and-logs notebook")
 
 
-def _cell(cells, marker):
-    cell = next((c for c in cells if marker in c.source), None)
-    assert cell is not None, f"no cell contains {marker!r}"
-    return cell, "".join(o.text for o in cell.outputs if o.output_type == "stream")
+def _cell(executed, marker):
+    """The first code cell whose source contains `marker`, and its printed text (streams only)."""
+    _, found = cell(executed, marker)
+    return found, "".join(o.text for o in found.outputs if o.output_type == "stream")
 
 
 def _widgets_shown(cell):

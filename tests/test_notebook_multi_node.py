@@ -1,9 +1,7 @@
 """notebooks/multi_node_on_one_machine.ipynb, executed once in a real kernel: two nodes on localhost."""
 
 import re
-import shutil
 import time
-from pathlib import Path
 
 import pytest
 
@@ -11,9 +9,8 @@ pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 psutil = pytest.importorskip("psutil")
 
-from notebook_accel.demo import cell_texts, run_notebook  # noqa: E402
+from notebooks import cell, execute  # noqa: E402
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "multi_node_on_one_machine.ipynb"
 RANK_LINE = re.compile(
     r"^\[rank (\d)\] global rank (\d) of (\d) on node (\d) \(local rank (\d)\): all_reduce of rank\+1 = (\d+)$",
     re.M,
@@ -21,7 +18,7 @@ RANK_LINE = re.compile(
 
 
 def _text(executed, marker):
-    return next(text for text, cell in executed if marker in cell.source)
+    return cell(executed, marker)[0]
 
 
 def _demo_processes():
@@ -38,16 +35,7 @@ def _demo_processes():
 
 @pytest.fixture(scope="module")
 def executed():
-    leftovers_before = set(NOTEBOOK.parent.glob("multi-node-demo-*"))
-    try:
-        nb, error = run_notebook(str(NOTEBOOK), timeout=150)
-    finally:
-        leftovers = set(NOTEBOOK.parent.glob("multi-node-demo-*")) - leftovers_before
-        for folder in leftovers:
-            shutil.rmtree(folder, ignore_errors=True)
-    assert error is None, f"the notebook failed:\n{error}"
-    assert not leftovers, f"the notebook left {leftovers} behind"
-    return [("".join(cell_texts(c)), c) for c in nb.cells if c.cell_type == "code"]
+    return execute("multi_node_on_one_machine.ipynb", leftovers_glob="multi-node-demo-*")
 
 
 def _rank_lines(text):

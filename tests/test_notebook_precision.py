@@ -1,16 +1,14 @@
 """notebooks/mixed_precision_and_accumulation.ipynb, executed once in a real kernel: what its cells print."""
 
 import re
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-from notebook_accel.demo import cell_texts, run_notebook  # noqa: E402
+from notebooks import cell, execute  # noqa: E402
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "mixed_precision_and_accumulation.ipynb"
 EVAL_SET_SIZE = 203  # not a multiple of 2 ranks x batch 32
 K = 4  # gradient accumulation steps
 MAX_NORM = 1.0
@@ -22,14 +20,12 @@ ROW = re.compile(
 
 
 def _text(executed, marker):
-    return next(text for text, cell in executed if marker in cell.source)
+    return cell(executed, marker)[0]
 
 
 @pytest.fixture(scope="module")
 def executed():
-    nb, error = run_notebook(str(NOTEBOOK), timeout=150)
-    assert error is None, f"the notebook failed:\n{error}"
-    return [("".join(cell_texts(c)), c) for c in nb.cells if c.cell_type == "code"]
+    return execute("mixed_precision_and_accumulation.ipynb")
 
 
 @pytest.fixture(scope="module")

@@ -3,21 +3,17 @@
 import ast
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-from notebook_accel.demo import cell_texts, main, run_notebook  # noqa: E402
+from notebook_accel.demo import main  # noqa: E402
+from notebooks import cell as _cell  # noqa: E402
+from notebooks import execute  # noqa: E402
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
 EVAL_SET_SIZE = 250  # the notebook's eval set: not a multiple of 2 ranks x batch 32, so it is padded
-
-
-def _cell(executed, marker):
-    return next((text, cell) for text, cell in executed if marker in cell.source)
 
 
 def _summary(cell):
@@ -27,9 +23,7 @@ def _summary(cell):
 
 @pytest.fixture(scope="module")
 def executed():
-    nb, error = run_notebook(str(NOTEBOOK), timeout=150)
-    assert error is None, f"the quickstart failed:\n{error}"
-    return [("".join(cell_texts(c)), c) for c in nb.cells if c.cell_type == "code"]
+    return execute("quickstart.ipynb", label="the quickstart")
 
 
 @pytest.mark.timeout(180)

@@ -161,16 +161,22 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if self.scaler is None:
             self._step_was_skipped = False
             return self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        scale_before = self.scaler.get_scale()
+        # The base class's get_scale: a SharedGradScaler's own would apply an update still due from
+        # another optimizer's step on this backward, before this optimizer unscales.
+        scale_before = torch.amp.GradScaler.get_scale(self.scaler)
         # GradScaler rejects a closure while enabled; pass one only when given, so its error shows.
         result = (
             self.scaler.step(self.optimizer) if closure is None else self.scaler.step(self.optimizer, closure)
         )
         skipped = _found_inf(self.scaler, self.optimizer)
-        self.scaler.update()
-        if skipped is None:
-            # Fallback where the scaler keeps no per-optimizer record: an overflow lowers the scale.
-            skipped = self.scaler.get_scale() < scale_before
+        defer = getattr(self.scaler, "defer_update", None)
+        if skipped is not None and defer is not None:
+            defer()  # updated once before the next scale(), after every optimizer of this backward
+        else:
+            self.scaler.update()
+            if skipped is None:
+                # Fallback where the scaler keeps no per-optimizer record: an overflow lowers the scale.
+                skipped = self.scaler.get_scale() < scale_before
         self._step_was_skipped = bool(skipped)
         return result
 

@@ -248,13 +248,52 @@ def restore_forward(model: torch.nn.Module) -> torch.nn.Module:
 # -- gradient scaling -----------------------------------------------------------------------------
 
 
+class SharedGradScaler(torch.amp.GradScaler):
+    """A GradScaler that several prepared optimizers can step after one scaled backward.
+
+    accelerate updates the scale after each optimizer's step. When two optimizers share one
+    backward, an overflow in the first halves the scale before the second unscales, so the second
+    steps with doubled gradients. Here a step only marks the update as due (`defer_update`); it runs
+    once, before the next `scale()`, or when the scale is read, saved or loaded.
+    """
+
+    _update_due = False
+
+    def defer_update(self) -> None:
+        self._update_due = True
+
+    def _settle(self) -> None:
+        if self._update_due:
+            self.update()
+
+    def update(self, new_scale=None) -> None:
+        self._update_due = False
+        super().update(new_scale)
+
+    def scale(self, outputs):
+        self._settle()
+        return super().scale(outputs)
+
+    def get_scale(self) -> float:
+        self._settle()
+        return super().get_scale()
+
+    def state_dict(self) -> dict:
+        self._settle()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._settle()  # also clears the stepped optimizers' records, which would refuse the next step
+        super().load_state_dict(state_dict)
+
+
 def make_grad_scaler(
     mixed_precision: str, device: DeviceLike, kwargs: Optional[GradScalerKwargs] = None
 ) -> Optional[torch.amp.GradScaler]:
-    """A `torch.amp.GradScaler` for fp16 on `device`'s type; None for every other precision."""
+    """A GradScaler (SharedGradScaler) for fp16 on `device`'s type; None for every other precision."""
     if parse_mixed_precision(mixed_precision) != "fp16":
         return None
-    return torch.amp.GradScaler(_device_type(device), **_kwargs(kwargs))
+    return SharedGradScaler(_device_type(device), **_kwargs(kwargs))
 
 
 # -- fp8 ------------------------------------------------------------------------------------------

@@ -165,6 +165,48 @@ def test_fp16_overflow_skips_optimizer_and_scheduler_step():
     assert sched.get_last_lr() == [0.05]
 
 
+def test_fp16_two_optimizers_on_one_backward_unscale_with_the_same_scale():
+    """An overflow in the first optimizer's gradients must not halve the scale before the second
+    unscales (accelerate updates after each step, so the second would step with 2x gradients)."""
+    from notebook_accel.utils import GradScalerKwargs
+
+    # 1024: at the default 65536 the fp16 output cast's own gradient overflows, b's too
+    accelerator = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    opt_a = torch.optim.SGD(a.parameters(), lr=1.0)
+    opt_b = torch.optim.SGD(b.parameters(), lr=1.0)
+    a, b, opt_a, opt_b = accelerator.prepare(a, b, opt_a, opt_b)
+    a_before = [p.detach().clone() for p in a.parameters()]
+    b_before = b.weight.detach().clone()
+    scale = accelerator.scaler.get_scale()
+    x = torch.full((1, 4), 0.01)
+    loss = a(x).sum() * 1e30 + b(x).sum()  # inf gradients for a only
+    accelerator.backward(loss)
+    opt_a.step()
+    opt_b.step()
+    assert opt_a.step_was_skipped and not opt_b.step_was_skipped
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), a_before))
+    step = (b_before - b.weight.detach()) / x  # d sum(b(x)) / d weight = x, lr 1
+    assert torch.allclose(step, torch.ones_like(step), rtol=1e-2), step  # 2.0 with the scale halved first
+    assert accelerator.scaler.get_scale() == scale / 2  # one overflow, one halving
+
+
+def test_fp16_scale_is_saved_after_the_due_update(tmp_path):
+    accelerator = Accelerator(mixed_precision="fp16")
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    scale = accelerator.scaler.get_scale()
+    accelerator.backward(model(torch.ones(2, 4)).sum() * 1e30)
+    opt.step()
+    opt.zero_grad()
+    assert accelerator.scaler.state_dict()["scale"] == scale / 2
+    accelerator.scaler.load_state_dict({**accelerator.scaler.state_dict(), "scale": 8.0})
+    accelerator.backward(model(torch.full((1, 4), 0.01)).sum())
+    opt.step()  # the records of the earlier step were cleared: no "step() already called" error
+    assert not opt.step_was_skipped and accelerator.scaler.get_scale() == 8.0
+
+
 def test_prepare_keeps_order_and_types():
     accelerator = Accelerator()
     model = torch.nn.Linear(2, 2)

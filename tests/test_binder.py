@@ -41,13 +41,23 @@ def binder_python() -> str:
         shutil.rmtree(VENV, ignore_errors=True)
         base = getattr(sys, "_base_executable", sys.executable)
         subprocess.run([base, "-m", "venv", str(VENV)], check=True, timeout=120)
-        _pip(python, "-r", "binder/requirements.txt")
+        _pip(python, "-r", str(_reachable_requirements()))
         env_stamp.write_text(env_print)
         code_stamp.write_text(code_print)
     elif not (code_stamp.exists() and code_stamp.read_text() == code_print):
         _pip(python, "--no-deps", "--force-reinstall", ".")  # `.` is installed as a copy
         code_stamp.write_text(code_print)
     return str(python)
+
+
+def _reachable_requirements() -> Path:
+    """binder/requirements.txt without its index lines: this machine reaches PyPI and a local wheel
+    store only, where the same torch+cpu wheel lies; every pin stays as Binder reads it."""
+    lines = (ROOT / "binder" / "requirements.txt").read_text().splitlines()
+    kept = [line for line in lines if not line.strip().startswith(("--extra-index-url", "--index-url"))]
+    path = VENV / "requirements-here.txt"
+    path.write_text("\n".join(kept) + "\n")
+    return path
 
 
 def _pip(python, *args) -> None:
@@ -70,6 +80,16 @@ def test_requirements_install_what_the_notebooks_import(binder_python, tmp_path)
     assert str(VENV) in out.stdout, out.stdout
     runtime = (ROOT / "binder" / "runtime.txt").read_text().strip()
     assert runtime == f"python-{sys.version_info.major}.{sys.version_info.minor}", runtime
+    # Binder has no GPU: the CPU build of torch, and none of the CUDA build's nvidia wheels.
+    requirements = (ROOT / "binder" / "requirements.txt").read_text().splitlines()
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in requirements
+    assert any(line.startswith("torch==") and line.endswith("+cpu") for line in requirements), requirements
+    version = subprocess.run([binder_python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert version.stdout.strip().endswith("+cpu"), version
+    listed = subprocess.run([binder_python, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert not [p for p in listed.stdout.splitlines() if p.lower().startswith("nvidia-")], listed.stdout
 
 
 @pytest.mark.timeout(400)

@@ -40,3 +40,21 @@ def test_committed_without_outputs_with_badges_and_install_cell(path):
 def test_readme_links_the_notebook(path):
     readme = (ROOT / "README.md").read_text()
     assert f"(notebooks/{path.name})" in readme
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_the_install_cell_asks_pip_for_valid_requirements(path):
+    """Colab and Kaggle run the %pip line; here it is skipped (the package is installed), so at least
+    every requirement on it must parse and the package must come from the project's repository."""
+    import shlex
+
+    from packaging.requirements import Requirement
+
+    code = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    line = next(x for x in "".join(code[0]["source"]).splitlines() if "%pip install" in x)
+    words = [w for w in shlex.split(line.split("%pip install", 1)[1]) if not w.startswith("-")]
+    requirements = [Requirement(w) for w in words]
+    assert requirements[0].name == "notebook_accel", words
+    assert requirements[0].url == f"git+https://github.com/{notebook_header.REPO}", words
+    for extra in requirements[1:]:  # what the notebook needs beyond the package (plots)
+        assert extra.url is None and extra.name.replace("-", "_").isidentifier(), words

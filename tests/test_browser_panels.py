@@ -80,4 +80,32 @@ def test_launch_panel_and_hardware_panel_render(jupyter_lab, browser_page, tmp_p
     pre_colour = all_ranks.evaluate("e => getComputedStyle(e).color")
     assert sum(int(c) for c in re.findall(r"\d+", pre_colour)[:3]) > 400, pre_colour  # light text on dark
     dark = screenshot(page, tmp_path / "panels-dark.png")
-    print(f"\nscreenshots: {light} {dark}")
+
+    # The hardware panel in the dark theme: light text, on a background that is not white.
+    hardware.scroll_into_view_if_needed()
+    hardware_colour = hardware.evaluate("e => getComputedStyle(e).color")
+    assert _rgb_sum(hardware_colour) > 400, hardware_colour
+    cells_colours = hardware.locator(".nacc-table td").evaluate_all(
+        "els => els.map(e => getComputedStyle(e).color)"
+    )
+    assert cells_colours and all(_rgb_sum(c) > 400 for c in cells_colours), cells_colours
+    # What shows behind it: its own background, else the first ancestor's that is not transparent.
+    behind = hardware.evaluate(
+        """e => { for (let n = e; n; n = n.parentElement) {
+                     const c = getComputedStyle(n).backgroundColor;
+                     if (c !== 'transparent' && !/^rgba\\(.*, 0\\)$/.test(c)) return c; }
+                   return 'none'; }"""
+    )
+    assert re.match(r"rgba?\(", behind) and _rgb_sum(behind) < 3 * 255, behind  # not white, not 'none'
+    button = hardware.locator(".nacc-refresh")
+    button_bg = button.evaluate("e => getComputedStyle(e).backgroundColor")
+    assert re.match(r"rgba?\(", button_bg) and _rgb_sum(button_bg) < 3 * 255, button_bg
+    hardware_dark = screenshot(page, tmp_path / "hardware-dark.png")
+    print(f"\nscreenshots: {light} {dark} {hardware_dark}")
+
+
+def _rgb_sum(colour: str) -> int:
+    """r + g + b of a computed colour such as 'rgb(12, 34, 56)' or 'rgba(12, 34, 56, 0.5)'."""
+    channels = re.findall(r"[\d.]+", colour)[:3]
+    assert len(channels) == 3, colour
+    return sum(int(float(c)) for c in channels)

@@ -61,7 +61,7 @@ def test_dom_contract_classes():
     p.flush()
     assert "nacc-launch" in p.widget._dom_classes
     assert with_class(p.widget, "nacc-stop") == [p.stop_button]
-    assert len(with_class(p.widget, "nacc-progress")) == 2
+    assert with_class(p.widget, "nacc-progress") == []  # a rank's bar is made when it shows one
     assert '<pre class="nacc-log" data-view="all">' in p.views["all"].value
     assert '<pre class="nacc-log" data-view="rank-1">' in p.views["rank-1"].value
     assert p.tabs.titles == ("All ranks", "Rank 0", "Rank 1")
@@ -98,6 +98,54 @@ def test_a_notice_shows_in_the_header_until_ranks_start():
     p.handle(ev.RankStarted(0, 4242))
     p.flush()
     assert "waiting for the other nodes" not in p.header.value
+
+
+def test_a_panel_that_shows_after_a_delay_costs_no_widgets_for_a_quick_silent_launch(monkeypatch):
+    import ipywidgets
+    from IPython import display as ipython_display
+
+    shown = []
+    monkeypatch.setattr(ipython_display, "display", lambda w: shown.append(w))
+    made = []
+    original = ipywidgets.Widget.open
+
+    def counting_open(self):
+        made.append(type(self).__name__)
+        return original(self)
+
+    monkeypatch.setattr(ipywidgets.Widget, "open", counting_open)
+    quiet = LaunchPanel(autoflush=False, show_after=0.5)
+    quiet.handle(ev.LaunchStarted(2, "session", 2))
+    for r in (0, 1):
+        quiet.handle(ev.RankStarted(r, 10 + r))
+        quiet.handle(ev.RankFinished(r, 0.01))
+    quiet.poll()  # well under 0.5 s
+    quiet.handle(ev.LaunchFinished(True, 0.01))
+    quiet.close()
+    assert made == [] and shown == [] and quiet.status(1) == "done"
+
+    chatty = LaunchPanel(autoflush=False, show_after=0.5)
+    chatty.handle(ev.LaunchStarted(2, "session", 2))
+    chatty.handle(ev.RankStarted(0, 10))
+    assert shown == []
+    out(chatty, 0, "hello")  # output: shown at once
+    assert shown == [chatty.widget] and made
+    chatty.flush()
+    assert "hello" in chatty.views["rank-0"].value
+
+    slow = LaunchPanel(autoflush=False, show_after=0.05)
+    slow.handle(ev.LaunchStarted(1, "session", 1))
+    deadline = time.monotonic() + 10
+    while len(shown) < 2:  # poll() shows it once the launch has run show_after seconds
+        assert time.monotonic() < deadline
+        slow.poll()
+        time.sleep(0.01)
+    assert shown[-1] is slow.widget
+
+    failing = LaunchPanel(autoflush=False, show_after=30)
+    failing.handle(ev.LaunchStarted(1, "session", 1))
+    failing.handle(ev.RankFailed(0, 10, 1, exc_type="ValueError", message="bad"))
+    assert shown[-1] is failing.widget  # a failure shows its traceback box at once
 
 
 def test_only_local_ranks_are_shown():
@@ -216,7 +264,8 @@ def test_tqdm_redraws_update_a_bar_not_the_log():
     assert p.text("rank-0") == "before the loop"
     assert "45%" not in p.views["rank-0"].value and "45%" not in p.views["all"].value
     assert p.progress_box.children[0].layout.display == "flex"
-    assert p.progress_box.children[1].layout.display == "none"  # rank 1 printed no bar
+    assert len(p.progress_box.children) == 1 and 1 not in p.progress_bars  # rank 1 printed no bar
+    assert with_class(p.widget, "nacc-progress") == [bar]
 
     final = "train: 100%|██████████| 100/100 [00:03<00:00, 30.1it/s]"
     out(p, 0, final, stream="stderr")

@@ -14,6 +14,7 @@ from collections import deque
 from typing import Optional
 
 import ipywidgets as widgets
+from ipywidgets.widgets.widget_string import HTMLStyle
 
 from ..launch import events as ev
 from ..launch.sinks import Sink
@@ -92,6 +93,10 @@ class LaunchPanel(Sink):
 
     Public widgets: `widget` (the root), `stop_button`, `views` ("all", "rank-R" -> HTML), `tabs`,
     `status_table`, `header`, `progress_bars` / `progress_labels` (rank -> widget), `traceback`.
+
+    `show_after=S` (interactive session cells): the panel is built and shown only once the launch
+    prints, fails, is stopped or has run S seconds (`poll()` checks the time), so a quick silent
+    cell costs no widgets; until then `widget` and the others do not exist.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class LaunchPanel(Sink):
         fps: float = 10.0,
         autoflush: bool = True,
         show: bool = True,
+        show_after: float = 0.0,
     ):
         if max_lines < 1:
             raise ValueError(f"max_lines={max_lines} must be 1 or more.")
@@ -116,8 +122,12 @@ class LaunchPanel(Sink):
         self._flusher: Optional[threading.Thread] = None
         self._stop_flushing = threading.Event()
         self._flush_error_reported = False
+        self.show_after = float(show_after)
+        self._waiting = False  # started, not shown yet (show_after)
+        self._widgets_made = False
         self._reset(None)
-        self._make_widgets()
+        if not self.show_after:
+            self._make_widgets()
 
     # -- sink interface (launcher thread) --------------------------------------------------------
 
@@ -128,11 +138,23 @@ class LaunchPanel(Sink):
         if isinstance(event, ev.RankOutput):
             with self._lock:
                 self._record_output(event)
+            if self._waiting:
+                self._reveal()
             return
         with self._lock:
             started = self._record(event)
         if started:
             self._launch_started()
+        elif self._waiting and (
+            isinstance(event, (ev.RankFailed, ev.RankStopped, ev.LaunchNotice))
+            or (isinstance(event, ev.LaunchFinished) and not event.ok)
+        ):
+            self._reveal()
+
+    def poll(self) -> None:
+        """Show a waiting panel once the launch has run `show_after` seconds (the cell's thread)."""
+        if self._waiting and time.monotonic() - self._launch_began >= self.show_after:
+            self._reveal()
 
     def close(self) -> None:
         self._stop_flushing.set()
@@ -250,6 +272,11 @@ class LaunchPanel(Sink):
     def _launch_started(self) -> None:
         # LaunchStarted comes once, on the thread that runs the launch (the cell's), before any
         # rank starts: display() there lands in the right cell; from another thread it may not.
+        if self.show_after and not self._shown:
+            self._waiting = True
+            return
+        if not self._widgets_made:
+            self._make_widgets()
         if self.show and not self._shown:
             self._shown = True
             self.flush()
@@ -262,6 +289,11 @@ class LaunchPanel(Sink):
                 target=self._flush_loop, args=(self._stop_flushing,), name="notebook_accel-panel", daemon=True
             )
             self._flusher.start()
+
+    def _reveal(self) -> None:
+        self._waiting = False
+        self.show_after = 0.0
+        self._launch_started()
 
     def _flush_loop(self, stop: threading.Event) -> None:
         while not stop.wait(1.0 / self.fps):
@@ -277,8 +309,10 @@ class LaunchPanel(Sink):
     # -- widgets ---------------------------------------------------------------------------------
 
     def _make_widgets(self) -> None:
-        full = widgets.Layout(width="100%")
-        self.header = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
+        self._widgets_made = True
+        full = self._full = widgets.Layout(width="100%")  # shared: a Layout is a widget (a comm) too
+        html = self._html_style = HTMLStyle()  # likewise: else one per HTML widget
+        self.header = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"), style=html)
         self.stop_button = widgets.Button(
             description="Stop", icon="stop", disabled=True, tooltip="Stop every rank of this launch"
         )
@@ -286,22 +320,23 @@ class LaunchPanel(Sink):
         self.stop_button.on_click(self._on_stop)
         stop: widgets.Widget = self.stop_button
         if not _clicks_arrive(self.stop_button):
-            stop = widgets.HTML(f'<span class="nacc-muted">{esc(INTERRUPT_HINT)}</span>')
-        self.status_table = widgets.HTML(layout=full)
+            stop = widgets.HTML(f'<span class="nacc-muted">{esc(INTERRUPT_HINT)}</span>', style=html)
+        self.status_table = widgets.HTML(layout=full, style=html)
         self.progress_box = widgets.VBox(layout=full)
         self.tabs = widgets.Tab(layout=full)
-        self.traceback = widgets.HTML(layout=full)
+        self.traceback = widgets.HTML(layout=full, style=html)
         self.views: dict = {}
         self.progress_bars: dict = {}
         self.progress_labels: dict = {}
-        self._progress_rows: dict = {}
+        self._progress_rows: dict = {}  # rank -> HBox, made when the rank first shows a bar
+        self._ranks_built: list = []
         self._bodies: dict = {}  # view -> (log version, rendered lines)
         self._bars_seen: dict = {}  # rank -> (bar text, final) last drawn
         self._built_layout = 0
         self._drawn_launch = 0
         self.widget = widgets.VBox(
             [
-                widgets.HTML(style_tag()),
+                widgets.HTML(style_tag(), style=html),
                 widgets.HBox([self.header, stop], layout=widgets.Layout(align_items="center")),
                 self.status_table,
                 self.progress_box,
@@ -326,30 +361,38 @@ class LaunchPanel(Sink):
         control.request_stop(STOP_REASON)
 
     def _build(self, ranks: list) -> None:
-        """Widgets for the current set of ranks; existing ones are kept."""
+        """Widgets for the current set of ranks; existing ones are kept.
+
+        Every widget is a comm and a message to the front end (about 1 ms each in a kernel): the
+        views share one Layout, and a rank's progress row is made only when it shows a bar."""
         names = ["all"] + [f"rank-{r}" for r in ranks]
         self.views = {
-            n: self.views.get(n) or widgets.HTML(layout=widgets.Layout(width="100%")) for n in names
+            n: self.views.get(n) or widgets.HTML(layout=self._full, style=self._html_style) for n in names
         }
-        rows = []
-        for rank in ranks:
-            if rank not in self._progress_rows:
-                bar = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, layout=widgets.Layout(width="40%"))
-                bar.add_class("nacc-progress")
-                label = widgets.Label()
-                name = widgets.HTML(
-                    f'<span class="nacc-prefix" style="color:{rank_color(rank)}">rank {rank}</span>'
-                )
-                self._progress_rows[rank] = widgets.HBox(
-                    [name, bar, label], layout=widgets.Layout(display="none", align_items="center")
-                )
-                self.progress_bars[rank], self.progress_labels[rank] = bar, label
-            rows.append(self._progress_rows[rank])
-        self.progress_box.children = rows
+        self._ranks_built = list(ranks)
+        self._place_progress_rows()
         self.tabs.children = [self.views[name] for name in names]
+
+    def _place_progress_rows(self) -> None:
+        self.progress_box.children = [self._progress_rows[r] for r in self._ranks_built if r in self._progress_rows]
+
+    def _progress_row(self, rank: int) -> None:
+        if rank in self._progress_rows:
+            return
+        bar = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, layout=widgets.Layout(width="40%"))
+        bar.add_class("nacc-progress")
+        label = widgets.Label()
+        name = widgets.HTML(f'<span class="nacc-prefix" style="color:{rank_color(rank)}">rank {rank}</span>')
+        self._progress_rows[rank] = widgets.HBox(
+            [name, bar, label], layout=widgets.Layout(display="none", align_items="center")
+        )
+        self.progress_bars[rank], self.progress_labels[rank] = bar, label
+        self._place_progress_rows()
 
     def flush(self) -> None:
         """Draw what changed since the last flush. Safe from any thread."""
+        if not self._widgets_made:
+            return  # show_after: nothing built yet
         with self._render_lock:
             with self._lock:
                 snap = self._snapshot()
@@ -423,6 +466,7 @@ class LaunchPanel(Sink):
         text, final = seen
         bar = parse_bar(text) if self._bars_seen.get(rank, (None,))[0] != text else None
         if bar is not None:
+            self._progress_row(rank)
             self._progress_rows[rank].layout.display = "flex"
             _set(self.progress_bars[rank], "value", bar.fraction if bar.fraction is not None else 0.0)
             _set(self.progress_labels[rank], "value", bar.label)

@@ -77,9 +77,10 @@ def notebook_launcher(
         control.close()
 
 
-def default_sinks() -> list:
+def default_sinks(show_after: float = 0.0) -> list:
     """The live launch panel in a kernel with widgets (unless NOTEBOOK_ACCEL_WIDGETS=0), else text;
-    plus the JupyterLab extension's sink while it is connected to this kernel."""
+    plus the JupyterLab extension's sink while it is connected to this kernel. `show_after`: see
+    LaunchPanel (session cells pass it, so a quick silent cell builds no widgets)."""
     if "ipykernel" in sys.modules:  # cheap test first: never import IPython outside a kernel
         from ..jupyter import widgets_enabled
         from ..jupyter.comm import active_sinks  # the JupyterLab extension, when it is connected
@@ -87,7 +88,7 @@ def default_sinks() -> list:
         if widgets_enabled():
             from ..jupyter.panel import LaunchPanel
 
-            return [LaunchPanel(), *active_sinks()]
+            return [LaunchPanel(show_after=show_after), *active_sinks()]
         return [ConsoleSink(), *active_sinks()]
     return [ConsoleSink()]
 

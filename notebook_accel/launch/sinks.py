@@ -15,6 +15,9 @@ class Sink:
     def attach(self, control) -> None:
         """Called before ranks start; `control.request_stop(reason)` ends the launch (any thread)."""
 
+    def poll(self) -> None:
+        """Called now and then on the launching thread while a launch runs (session cells)."""
+
     def close(self) -> None:
         pass
 
@@ -80,6 +83,13 @@ class Fanout(Sink):
     def attach(self, control) -> None:
         for sink in self.sinks:
             sink.attach(control)
+
+    def poll(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.poll()
+            except Exception as exc:  # as in handle(): never let a display kill the launch
+                sys.__stderr__.write(f"notebook_accel: sink {type(sink).__name__} failed: {exc!r}\n")
 
     def close(self) -> None:
         for sink in self.sinks:

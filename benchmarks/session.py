@@ -9,7 +9,17 @@ cpu=True).start()` (fork, forkserver, spawn), and ipyparallel's `Cluster(n=4)` e
 round. Round trip: one process holds a fork session and an ipyparallel cluster (both with torch and
 a 4-rank gloo group) and times trivial cells on both, in alternating blocks.
 
-    python benchmarks/session.py [--reps 4] [--floor-reps 2] [--calls 200] [--warmup 20] [--json PATH]
+Cells in a real kernel (what a notebook user waits for): one ipykernel started with jupyter_client
+holds both a `%accelerate start -n 4 --cpu` session and an `ipp.Cluster(n=4)` activated for `%%px`
+(torch and a gloo group on its engines); `pass` as a plain cell, as `%%accelerate` (launch panel
+widgets off, then on) and as `%%px` is timed from the execute_request to the kernel's idle status
+(and to the execute_reply), in alternating blocks; then each layer of both paths is timed inside
+the kernel. Session, cluster and kernel are stopped, and every process of the kernel's tree is
+checked gone.
+
+    python benchmarks/session.py [--reps 4] [--floor-reps 2] [--calls 200] [--warmup 20]
+        [--kernel-calls 200] [--kernel-warmup 20] [--kernel-block 20] [--kernel-breakdown 50]
+        [--kernel-only] [--json PATH]
 """
 
 from __future__ import annotations
@@ -263,6 +273,278 @@ def child_roundtrip(calls: int, warmup: int, block: int) -> None:
     _report({"samples": samples, "stop": stop})
 
 
+# -- cells in a real kernel ---------------------------------------------------------------------
+# What a notebook user waits for: the execute_request of a cell until the kernel says idle (and
+# until its execute_reply), over jupyter_client, with our session and an ipyparallel cluster
+# live in the same kernel.
+KERNEL_CHILD_TIMEOUT_S = 900
+KERNEL_CELL_TIMEOUT_S = 120  # one set-up cell (ipyparallel's engines take 7-15 s on 2 busy cores)
+PIDS = "SESSION-BENCH-PIDS "  # the child prints the kernel's processes, so a timeout can reap them
+BREAKDOWN = "SESSION-BENCH-BREAKDOWN "
+KERNEL_CONFIGS = {  # name -> (cell source, NOTEBOOK_ACCEL_WIDGETS in the kernel during its blocks)
+    "a plain `pass` cell (the kernel alone)": ("pass", "0"),
+    f"`%%accelerate` `pass`, {WORLD} ranks, widgets off": ("%%accelerate\npass", "0"),
+    f"`%%px` `pass`, {WORLD} engines": ("%%px\npass", "0"),
+    f"`%%accelerate` `pass`, {WORLD} ranks, widgets on (launch panel drawn)": ("%%accelerate\npass", "1"),
+}
+KERNEL_SETUP = [  # (what, cell); every cell must end with status "ok"
+    ("import torch + %load_ext", "import torch\n%load_ext notebook_accel"),
+    ("%accelerate start", f"%accelerate start -n {WORLD} --cpu"),
+    ("check our workers", "%%accelerate\nimport torch, torch.distributed as dist\n"
+     "_t = torch.ones(1); dist.all_reduce(_t); assert _t.item() == dist.get_world_size() == 4\n"
+     "_rank = dist.get_rank()"),
+    ("ipyparallel cluster", "import ipyparallel as ipp\n"
+     f"rc = ipp.Cluster(n={WORLD}).start_and_connect_sync()\n_view = rc.activate()"),
+    ("torch + gloo group on the engines", f"""\
+import socket
+def _engine_join(port, rank, world):
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
+    return rank
+with socket.socket() as _s:
+    _s.bind(("127.0.0.1", 0)); _port = _s.getsockname()[1]
+_view.scatter("rank", list(range({WORLD})), flatten=True, block=True)
+assert sorted(_view.apply_sync(_engine_join, _port, ipp.Reference("rank"), {WORLD})) == list(range({WORLD}))"""),
+    ("check the engines", "%%px\nimport torch, torch.distributed as dist\n"
+     "_t = torch.ones(1); dist.all_reduce(_t); assert _t.item() == dist.get_world_size() == 4"),
+]  # fmt: skip
+# Untimed, after the blocks: the same calls timed inside the kernel, each layer of the two paths.
+KERNEL_BREAKDOWN = """\
+import json as _json, os as _os, statistics as _st, time as _time
+from notebook_accel.jupyter import session as _nas
+_ks, _sh = _nas.current(), get_ipython()
+def _times(call, n):
+    for _ in range(5):
+        call()
+    out = []
+    for _ in range(n):
+        t = _time.perf_counter(); call(); out.append(_time.perf_counter() - t)
+    return out
+_calls = {
+    "Session.run_cell('pass')": lambda: _ks.session.run_cell("pass", timeout=30),
+    "KernelSession.run_cell('pass'), widgets off": lambda: _ks.run_cell("pass"),
+    "the %%accelerate magic (run_cell_magic), widgets off": lambda: _sh.run_cell_magic("accelerate", "", "pass"),
+    "KernelSession.run_cell('pass'), widgets on": lambda: _ks.run_cell("pass"),
+    "the %%accelerate magic (run_cell_magic), widgets on": lambda: _sh.run_cell_magic("accelerate", "", "pass"),
+    "rc[:].execute('pass', block=True)": lambda: _view.execute("pass", block=True),
+    "the %%px magic (run_cell_magic)": lambda: _sh.run_cell_magic("px", "", "pass"),
+}
+_bd = {}
+for _name, _call in _calls.items():
+    _os.environ["NOTEBOOK_ACCEL_WIDGETS"] = "1" if "widgets on" in _name else "0"
+    _bd[_name] = _times(_call, N)
+_os.environ["NOTEBOOK_ACCEL_WIDGETS"] = "0"
+print(MARK + _json.dumps(_bd))
+"""
+
+
+class _Kernel:
+    """A kernel from jupyter_client (this interpreter's ipykernel), and cells timed on it."""
+
+    def __init__(self, tmp: str, widgets: str):
+        import zmq
+        from jupyter_client import KernelManager
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        spec = os.path.join(tmp, "kernels", "bench")
+        os.makedirs(spec)
+        with open(os.path.join(spec, "kernel.json"), "w") as f:
+            json.dump({"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                       "display_name": "bench", "language": "python"}, f)  # fmt: skip
+        ksm = KernelSpecManager(kernel_dirs=[os.path.join(tmp, "kernels")], ensure_native_kernel=False)
+        self.km = KernelManager(kernel_name="bench", kernel_spec_manager=ksm)
+        env = {**os.environ, "NOTEBOOK_ACCEL_WIDGETS": widgets, "IPYTHONDIR": os.path.join(tmp, "ipython")}
+        self.km.start_kernel(env=env)  # a fresh IPYTHONDIR: no user history, profile or cluster files
+        self.pid = self.km.provisioner.process.pid
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+        self.poller = zmq.Poller()
+        self.poller.register(self.kc.shell_channel.socket, zmq.POLLIN)
+        self.poller.register(self.kc.iopub_channel.socket, zmq.POLLIN)
+
+    def execute(self, code: str, timeout: float = 30.0) -> dict:
+        """Send one cell; (seconds to the execute_reply, seconds to status idle, reply status, the
+        iopub messages of the cell by type, its text output)."""
+        from queue import Empty
+
+        kc = self.kc
+        start = time.perf_counter()
+        msg_id = kc.execute(code, store_history=True, allow_stdin=False)
+        reply = idle = None
+        status, kinds, text = None, {}, []
+        deadline = time.monotonic() + timeout
+        while reply is None or idle is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no reply/idle after {timeout} s for {code[:40]!r}; output: {''.join(text)[-2000:]}"
+                )
+            if not self.poller.poll(100):
+                continue
+            for channel in (kc.shell_channel, kc.iopub_channel):
+                while True:
+                    try:
+                        msg = channel.get_msg(timeout=0)
+                    except Empty:
+                        break
+                    now = time.perf_counter()
+                    if msg["parent_header"].get("msg_id") != msg_id:
+                        continue
+                    kind = msg["msg_type"]
+                    if channel is kc.shell_channel:
+                        reply, status = now - start, msg["content"]["status"]
+                        if status != "ok":
+                            text.append(f"{msg['content'].get('ename')}: {msg['content'].get('evalue')}")
+                        continue
+                    kinds[kind] = kinds.get(kind, 0) + 1
+                    if kind == "status" and msg["content"]["execution_state"] == "idle":
+                        idle = now - start
+                    elif kind == "stream":
+                        text.append(msg["content"]["text"])
+                    elif kind == "error":
+                        text.append("\n".join(msg["content"]["traceback"]))
+        return {"reply": reply, "idle": idle, "status": status, "kinds": kinds, "text": "".join(text)}
+
+    def must(self, what: str, code: str, timeout: float = KERNEL_CELL_TIMEOUT_S) -> dict:
+        r = self.execute(code, timeout)
+        if r["status"] != "ok":
+            raise RuntimeError(f"kernel cell {what!r} ended {r['status']}: {r['text'][-3000:]}")
+        return r
+
+
+def _tree(pid: int) -> list:
+    """(pid, create time, command) of a process and all its descendants."""
+    import psutil
+
+    out = []
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            out.append((p.pid, p.create_time(), " ".join(p.cmdline()[:4])))
+        except psutil.Error:
+            pass
+    return out
+
+
+def _alive(procs: list) -> list:
+    import psutil
+
+    left = []
+    for pid, created, cmd in procs:
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - created) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
+                left.append((pid, created, cmd))
+        except psutil.Error:
+            pass
+    return left
+
+
+def _kill_listed(procs: list, wait_s: float = 0.0) -> list:
+    """Wait up to wait_s for the processes to exit, then SIGKILL (by pid, same create time) any left."""
+    deadline = time.monotonic() + wait_s
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed = []
+    for pid, _created, cmd in _alive(procs):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(f"{pid} {cmd}")
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+def child_kernel(calls: int, warmup: int, block: int, breakdown: int) -> None:
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="session-bench-kernel-")
+    kernel = None
+    procs: list = []
+    setup, samples, kinds, cleanup = {}, {}, {}, {}
+    bd = None
+
+    def remember() -> None:  # every process of the kernel's tree seen so far, told to the parent too
+        seen = {p[0] for p in procs}
+        procs.extend(p for p in _tree(kernel.pid) if p[0] not in seen)
+        print(PIDS + json.dumps(procs), flush=True)
+
+    try:
+        t = time.perf_counter()
+        kernel = _Kernel(tmp, "0")
+        setup["kernel start"] = time.perf_counter() - t
+        remember()
+        r = kernel.must("sys.executable", "import sys; print(sys.executable)")
+        assert r["text"].strip() == sys.executable, r["text"]
+        for what, code in KERNEL_SETUP:
+            try:
+                setup[what] = kernel.must(what, code)["idle"]
+            finally:
+                remember()
+        widgets = "0"
+
+        def set_widgets(value: str) -> str:
+            if value != widgets:
+                kernel.must("widgets", f"import os; os.environ['NOTEBOOK_ACCEL_WIDGETS'] = {value!r}", 30)
+            return value
+
+        for name, (code, flag) in KERNEL_CONFIGS.items():  # warm-up, untimed
+            widgets = set_widgets(flag)
+            for _ in range(warmup):
+                kernel.must(name, code, 30)
+        samples = {name: {"idle": [], "reply": []} for name in KERNEL_CONFIGS}
+        for i in range(0, calls, block):
+            names = list(KERNEL_CONFIGS) if (i // block) % 2 == 0 else list(reversed(KERNEL_CONFIGS))
+            for name in names:
+                code, flag = KERNEL_CONFIGS[name]
+                widgets = set_widgets(flag)
+                for _ in range(min(block, calls - i)):
+                    r = kernel.must(name, code, 30)
+                    samples[name]["idle"].append(r["idle"])
+                    samples[name]["reply"].append(r["reply"])
+                    kinds[name] = r["kinds"]  # iopub messages of the cell (the last one's)
+        widgets = set_widgets("0")
+        remember()
+        if breakdown:
+            code = KERNEL_BREAKDOWN.replace("MARK", repr(BREAKDOWN)).replace(
+                "_times(_call, N)", f"_times(_call, {breakdown})"
+            )
+            r = kernel.must("breakdown", code, KERNEL_CELL_TIMEOUT_S * 3)
+            lines = [line for line in r["text"].splitlines() if line.startswith(BREAKDOWN)]
+            bd = json.loads(lines[-1][len(BREAKDOWN) :])
+        # Clean up as a user would: stop the session, the cluster, then shut the kernel down.
+        t = time.perf_counter()
+        kernel.must("%accelerate stop", "%accelerate stop", 60)
+        cleanup["%accelerate stop"] = time.perf_counter() - t
+        t = time.perf_counter()
+        kernel.must("stop_cluster_sync", "rc.cluster.stop_cluster_sync(); rc.close()", 60)
+        cleanup["rc.cluster.stop_cluster_sync()"] = time.perf_counter() - t
+    finally:
+        if kernel is not None:
+            remember()
+            t = time.perf_counter()
+            try:
+                kernel.kc.stop_channels()
+                kernel.km.shutdown_kernel(now=False)
+            except Exception as exc:
+                cleanup["shutdown error"] = f"{type(exc).__name__}: {exc}"
+                try:
+                    kernel.km.shutdown_kernel(now=True)
+                except Exception:
+                    pass
+            cleanup["kernel shutdown"] = time.perf_counter() - t
+            cleanup["killed"] = _kill_listed(procs, CLUSTER_EXIT_WAIT_S)
+            cleanup["all gone"] = time.perf_counter() - t
+        shutil.rmtree(tmp, ignore_errors=True)
+    _report({"kernel": samples, "setup_s": setup, "iopub": kinds, "breakdown": bd, "cleanup": cleanup,
+             "processes": len(procs)})  # fmt: skip
+
+
 # -- the parent -----------------------------------------------------------------------------------
 def run_child(args: list, timeout: float = CHILD_TIMEOUT_S) -> dict:
     """Run this script with --child ARGS in its own session; its result, or {"error": ...}. The
@@ -277,7 +559,8 @@ def run_child(args: list, timeout: float = CHILD_TIMEOUT_S) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        return {"error": f"timed out after {timeout} s", "stderr": err[-2000:]}
+        return {"error": f"timed out after {timeout} s", "stderr": err[-2000:],
+                "killed_listed": _kill_listed(_listed(out))}  # fmt: skip
     left = []
     for p in psutil.process_iter():  # same session as the child (ipyparallel's start their own)
         try:
@@ -290,6 +573,7 @@ def run_child(args: list, timeout: float = CHILD_TIMEOUT_S) -> dict:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    left += _kill_listed(_listed(out))  # a kernel's tree is in sessions of its own
     lines = [line for line in out.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         return {"error": f"exit code {proc.returncode}", "stderr": err[-2000:], "left": left}
@@ -297,6 +581,24 @@ def run_child(args: list, timeout: float = CHILD_TIMEOUT_S) -> dict:
     result["left"] = left
     result["stop_killed"] = _still_there(result.get("stop", {}).get("pids", []))
     return result
+
+
+def _listed(out: str) -> list:
+    """The processes a kernel child said it had (its last PIDS line)."""
+    lines = [line for line in out.splitlines() if line.startswith(PIDS)]
+    return [tuple(p) for p in json.loads(lines[-1][len(PIDS) :])] if lines else []
+
+
+def measure_kernel(calls: int, warmup: int, block: int, breakdown: int) -> dict:
+    """Cells in a real kernel (child_kernel), in a child of its own."""
+    wall = time.perf_counter()
+    load0 = os.getloadavg()
+    r = run_child(["kernel", "--kernel-calls", str(calls), "--kernel-warmup", str(warmup),
+                   "--kernel-block", str(block), "--kernel-breakdown", str(breakdown)],
+                  timeout=KERNEL_CHILD_TIMEOUT_S)  # fmt: skip
+    r["wall_s"] = time.perf_counter() - wall
+    r["loadavg"] = [load0, os.getloadavg()]
+    return r
 
 
 def _still_there(pids: list) -> list:
@@ -510,6 +812,60 @@ def markdown(result: dict, summary: dict) -> str:
     return "\n".join(rows)
 
 
+def _p90(values: list) -> float:
+    return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
+
+
+def kernel_markdown(r: dict) -> str:
+    """The tables of the real-kernel measurement (child_kernel), ms."""
+    if "error" in r:
+        return f"failed: cells in a real kernel: {r['error']}\n{r.get('stderr', '')}"
+    ms = lambda v: f"{v * 1e3:.2f}"  # noqa: E731
+    rows = ["| cell in a real kernel, execute_request until ..., ms | calls | idle: median | idle: p90 "
+            "| execute_reply: median | iopub messages per cell |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, cell in r["kernel"].items():
+        if cell["idle"]:
+            kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["iopub"].get(name, {}).items()))
+            rows.append(f"| {name} | {len(cell['idle'])} | {ms(statistics.median(cell['idle']))} | "
+                        f"{ms(_p90(cell['idle']))} | {ms(statistics.median(cell['reply']))} | {kinds} |")  # fmt: skip
+    med = {name: statistics.median(c["idle"]) for name, c in r["kernel"].items() if c["idle"]}
+    names = list(KERNEL_CONFIGS)
+    plain, ours, px, ours_w = (med.get(n) for n in names)
+    rows += ["", "| ratio of medians (idle) | value |", "|---|---|"]
+    if ours and px:
+        rows.append(f"| `%%accelerate` widgets off / `%%px` | {ours / px:.3f} |")
+    if ours_w and px:
+        rows.append(f"| `%%accelerate` widgets on / `%%px` | {ours_w / px:.3f} |")
+    if ours and plain:
+        rows.append(f"| `%%accelerate` widgets off minus a plain cell, ms | {(ours - plain) * 1e3:.2f} |")
+    if px and plain:
+        rows.append(f"| `%%px` minus a plain cell, ms | {(px - plain) * 1e3:.2f} |")
+    for name, v in ((names[1], ours), (names[3], ours_w)):
+        if v:
+            v *= 1e3
+            met = "yes, stretch too" if v <= RT_STRETCH_MS else ("yes" if v <= RT_TARGET_MS else "NO")
+            rows.append(
+                f"\ntarget <= {RT_TARGET_MS:g} ms (stretch {RT_STRETCH_MS:g}), {name}: {v:.2f} ms, {met}"
+            )
+    if r.get("breakdown"):
+        rows += [
+            "",
+            "| inside the kernel (untimed cell), one call, ms | calls | median | p90 |",
+            "|---|---|---|---|",
+        ]
+        for name, values in r["breakdown"].items():
+            rows.append(f"| {name} | {len(values)} | {ms(statistics.median(values))} | {ms(_p90(values))} |")
+    setup = ", ".join(f"{k} {v:.2f} s" for k, v in r["setup_s"].items())
+    cleanup = ", ".join(f"{k} {v:.2f} s" if isinstance(v, float) else f"{k}: {v}"
+                        for k, v in r["cleanup"].items())  # fmt: skip
+    (l0, l1) = r["loadavg"]
+    rows.append(f"\nset-up: {setup}\nclean-up: {cleanup}; {r['processes']} processes in the kernel's tree; "
+                f"left after the child: {r.get('left') or 'none'}\nload average (1, 5, 15 min) before "
+                f"{l0[0]:.2f}, {l0[1]:.2f}, {l0[2]:.2f}; after {l1[0]:.2f}, {l1[1]:.2f}, {l1[2]:.2f}; "
+                f"{r['wall_s']:.0f} s")  # fmt: skip
+    return "\n".join(rows)
+
+
 def _busy_elsewhere(seconds: float = 2.0) -> float:
     """Fraction of all CPUs busy over `seconds` while this benchmark runs nothing: how much other
     programs were using the machine just before (or after) the run."""
@@ -533,6 +889,21 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=200, help="timed round trips per configuration")
     parser.add_argument("--warmup", type=int, default=20, help="untimed round trips before them")
     parser.add_argument("--block", type=int, default=20, help="round trips in a row before switching")
+    parser.add_argument(
+        "--kernel-calls",
+        type=int,
+        default=200,
+        help="timed cells per configuration in the real kernel (0: skip it)",
+    )
+    parser.add_argument("--kernel-warmup", type=int, default=20, help="untimed cells before them")
+    parser.add_argument("--kernel-block", type=int, default=20, help="cells in a row before switching")
+    parser.add_argument(
+        "--kernel-breakdown",
+        type=int,
+        default=50,
+        help="calls per layer timed inside the kernel afterwards (0: skip)",
+    )
+    parser.add_argument("--kernel-only", action="store_true", help="only the real-kernel measurement")
     parser.add_argument("--json", metavar="PATH", help="also write every sample here")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -543,30 +914,46 @@ def main(argv=None) -> int:
             child_ours(rest[0])
         elif kind == "ipp":
             child_ipp()
+        elif kind == "kernel":
+            child_kernel(options.kernel_calls, options.kernel_warmup, options.kernel_block,
+                         options.kernel_breakdown)  # fmt: skip
         else:
             child_roundtrip(options.calls, options.warmup, options.block)
         return 0
 
+    import ipykernel
     import ipyparallel
+    import jupyter_client
     import torch
 
     busy0 = _busy_elsewhere()
+    load0 = os.getloadavg()
     started = time.perf_counter()
-    result = measure(options.reps, options.floor_reps, options.calls, options.warmup, options.block)
+    result, summary = {}, {}
+    if not options.kernel_only:
+        result = measure(options.reps, options.floor_reps, options.calls, options.warmup, options.block)
+    if options.kernel_calls > 0:
+        result["kernel"] = measure_kernel(options.kernel_calls, options.kernel_warmup, options.kernel_block,
+                                          options.kernel_breakdown)  # fmt: skip
     elapsed = time.perf_counter() - started
     busy1 = _busy_elsewhere()
-    summary = summarize(result)
+    load1 = os.getloadavg()
     versions = (f"python {sys.version.split()[0]}, torch {torch.__version__}, ipyparallel "
-                f"{ipyparallel.__version__}, {os.cpu_count()} CPUs")  # fmt: skip
+                f"{ipyparallel.__version__}, ipykernel {ipykernel.__version__}, jupyter_client "
+                f"{jupyter_client.__version__}, {os.cpu_count()} CPUs")  # fmt: skip
     load = (f"{elapsed:.0f} s in all; other programs kept the CPUs {busy0:.0%} busy in the 2 s before "
-            f"the run, {busy1:.0%} in the 2 s after")  # fmt: skip
+            f"the run, {busy1:.0%} in the 2 s after; load average (1 min) {load0[0]:.2f} before, "
+            f"{load1[0]:.2f} after")  # fmt: skip
     print(f"Interactive sessions ({versions}; {load})\n")
-    print(markdown(result, summary))
+    if not options.kernel_only:
+        summary = summarize(result)
+        print(markdown(result, summary))
+    if "kernel" in result:
+        print("\n" + kernel_markdown(result["kernel"]))
     if options.json:
         with open(options.json, "w") as f:
-            json.dump({"versions": versions, "seconds": elapsed,
-                       "busy_elsewhere": [busy0, busy1], **result,
-                       **summary}, f, indent=2)  # fmt: skip
+            json.dump({"versions": versions, "seconds": elapsed, "busy_elsewhere": [busy0, busy1],
+                       "loadavg": [load0, load1], **result, **summary}, f, indent=2)  # fmt: skip
     return 0
 
 

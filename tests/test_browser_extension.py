@@ -1,6 +1,7 @@
 """The JupyterLab extension (extension/) in headless Chromium: its status bar item follows a 2-rank
-%%accelerate cell, its sidebar shows the ranks, and "Run cell on N processes" runs a plain cell on
-2 ranks without editing it. Screenshots go to tests/.artifacts/<test>/.
+%%accelerate cell, its sidebar shows the ranks (and its Stop button stops a launch), "Run cell on N
+processes" runs a plain cell on 2 ranks without editing it, and the numProcesses setting changes N.
+Screenshots go to tests/.artifacts/<test>/.
 
 Needs the built extension where the venv's JupyterLab finds it (share/jupyter/labextensions)."""
 
@@ -10,9 +11,11 @@ import json
 import re
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 from browser import (  # noqa: F401  (pytest fixtures)
+    OUTPUT,
     browser_page,
     jupyter_lab,
     open_notebook,
@@ -29,6 +32,8 @@ time.sleep(6)  # long enough to see "2/2 ranks running" on a loaded machine
 print("launch done on", os.environ["RANK"])"""
 PLAIN = 'import os; print("rank", os.environ["RANK"])'
 STATUS = ".nacc-x-status"
+# What a launch here would use, once the kernel said hello: "2 x CPU · MULTI_CPU · fp32".
+SUMMARY = r"\d+ x \S+ · \S+ · \S+"
 
 
 def require_extension() -> None:
@@ -70,8 +75,9 @@ def test_status_bar_sidebar_and_run_on_n_processes(jupyter_lab, browser_page, tm
     assert "not connected" in status_text(page)
 
     run_cell(page, 0)
-    summary = wait_status(page, r"\d+ x \S+ · \S+")
-    assert re.search(r"2 x CPU · MULTI_CPU|x .* · MULTI_GPU", summary), summary
+    summary = wait_status(page, SUMMARY)
+    # No config file (conftest): N is 2, the precision fp32.
+    assert re.search(r"2 x CPU · MULTI_CPU · fp32|x .* · MULTI_GPU · fp32", summary), summary
 
     run_cell(page, 1)
     # Ranks report one by one ("1/2 ranks running" first); the cell sleeps 6 s, so 2/2 must show.
@@ -156,7 +162,7 @@ def test_session_command_restart_and_stop_in_the_sidebar(jupyter_lab, browser_pa
     write_notebook(jupyter_lab.root, "session.ipynb", [SETUP])
     open_notebook(page, jupyter_lab, "session.ipynb")
     run_cell(page, 0)
-    wait_status(page, r"\d+ x \S+ · \S+")
+    wait_status(page, SUMMARY)
     page.locator(STATUS).click()
     sidebar = page.locator(SIDEBAR)
     sidebar.wait_for(state="visible", timeout=10_000)
@@ -191,7 +197,7 @@ def test_session_command_restart_and_stop_in_the_sidebar(jupyter_lab, browser_pa
     sidebar.locator('.nacc-x-session[data-state="stopped"]').wait_for(timeout=60_000)
     assert page.locator(LIVE_SESSION).count() == 0
     assert sidebar.locator('[data-action="start_session"]').count() == 1
-    assert "session:" not in wait_status(page, r"^⚡ [^·]+· [^·]+$")
+    assert "session:" not in wait_status(page, r"^⚡ [^·]+· [^·]+· [^·]+$")
     screenshot(page, tmp_path / "3-stopped.png")
     assert not extension_errors(page), page.console_errors
 
@@ -272,3 +278,84 @@ def test_dark_theme_sidebar_and_status_bar(jupyter_lab, browser_page, tmp_path):
         page.locator(".lm-Menu-item", has_text=re.compile(r"^Theme$")).hover()
         page.get_by_role("menuitem", name="JupyterLab Light", exact=True).click()
         page.wait_for_function("() => document.body.dataset.jpThemeLight === 'true'", timeout=30_000)
+
+
+STOP_CELL = """%%accelerate -n 2 --port auto
+import os, time
+print("rank", os.environ["RANK"], "sleeping", flush=True)
+time.sleep(120)"""
+PLUGIN = "notebook-accel-labextension:plugin"
+
+
+def put_settings(lab, raw: str) -> None:
+    """Replace the extension's user settings on the server (what the settings editor saves)."""
+    req = urllib.request.Request(
+        f"{lab.url}/lab/api/settings/{PLUGIN}", data=json.dumps({"raw": raw}).encode(), method="PUT",
+        headers={"Authorization": f"token {lab.token}", "Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status in (200, 204), resp.status
+
+
+def palette_shows(page, label: str, timeout: float = 30.0) -> None:
+    """The command palette lists a command by exactly this label (its labels follow the setting)."""
+    page.keyboard.press("Control+Shift+C")
+    page.locator(".lm-CommandPalette-input").fill(label)
+    item = page.locator(".lm-CommandPalette-itemLabel", has_text=re.compile(rf"^{re.escape(label)}$"))
+    try:
+        item.first.wait_for(timeout=timeout * 1000)
+    finally:
+        page.keyboard.press("Escape")
+
+
+@pytest.mark.timeout(360)
+def test_stop_button_and_the_num_processes_setting(jupyter_lab, browser_page, tmp_path):  # noqa: F811
+    require_extension()
+    page = browser_page
+    write_notebook(jupyter_lab.root, "stop.ipynb", [SETUP, STOP_CELL])
+    open_notebook(page, jupyter_lab, "stop.ipynb")
+    run_cell(page, 0)
+    wait_status(page, SUMMARY)
+    page.locator(STATUS).click()
+    sidebar = page.locator(SIDEBAR)
+    sidebar.wait_for(state="visible", timeout=10_000)
+
+    # The sidebar's Stop button stops a running launch: ranks stopped, the cell ends in CellStoppedError.
+    run_cell(page, 1)
+    sidebar.locator(".nacc-x-launch .nacc-x-line", has_text=re.compile(r"rank \d sleeping")).first.wait_for(
+        timeout=120_000
+    )
+    assert "ranks running" in status_text(page)
+    screenshot(page, tmp_path / "1-before-stop.png")
+    page.locator(f'{SIDEBAR} [data-action="stop"]').click()
+    assert re.search(r"stopped after \d+\.\d s", wait_status(page, "stopped after", timeout=90))
+    cell = page.locator(".jp-NotebookPanel .jp-Cell").nth(1)
+    cell.locator(OUTPUT).filter(has_text="CellStoppedError").first.wait_for(timeout=60_000)
+    outputs = cell.locator(OUTPUT).all_inner_texts()
+    assert any("stopped from the JupyterLab extension" in t for t in outputs), outputs
+    launch = sidebar.locator(".nacc-x-launch").first
+    assert launch.get_attribute("data-state") == "stopped"
+    assert launch.locator('.nacc-x-rank[data-state="stopped"]').count() == 2
+    assert launch.locator('[data-action="stop"]').count() == 0
+    screenshot(page, tmp_path / "2-stopped.png")
+
+    # The numProcesses setting, changed in the Settings Editor, changes N in the commands' labels.
+    palette_shows(page, "Run cell on 2 processes")  # no setting, no config file: 2
+    try:
+        page.locator("li.lm-MenuBar-item", has_text=re.compile(r"^Settings$")).click()
+        page.locator('.lm-Menu-item[data-command="settingeditor:open"]').click()
+        page.locator(f'.jp-PluginList-entry[data-id="{PLUGIN}"]').click(timeout=30_000)
+        field = page.locator(f'input[id="jp-SettingsEditor-{PLUGIN}_numProcesses"]')
+        field.wait_for(timeout=30_000)
+        assert field.input_value() == "0"  # the default: from the config
+        field.fill("3")
+        palette_shows(page, "Run cell on 3 processes")
+        palette_shows(page, "Start / stop a session (3 workers)")
+        page.wait_for_function(  # the status bar's tooltip: what a launch on N processes would use
+            f"() => /3 x CPU · MULTI_CPU · fp32|MULTI_GPU/.test(document.querySelector({STATUS!r}).title)",
+            timeout=30_000,
+        )
+        screenshot(page, tmp_path / "3-setting.png")
+        assert not extension_errors(page), page.console_errors
+    finally:  # the server's settings serve the module's other tests
+        put_settings(jupyter_lab, "{}")

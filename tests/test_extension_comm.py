@@ -122,6 +122,33 @@ def test_hello_then_every_launch_event_reaches_the_comm(kernel):
     assert any(m["type"] == "hello" for m in after)
 
 
+@pytest.mark.timeout(120)
+def test_hello_carries_the_config_files_launch_defaults(kernel, tmp_path):
+    km, kc = kernel
+    comm_id, hello = wired(kc)
+    # conftest points NOTEBOOK_ACCEL_CONFIG_FILE at a missing file: no defaults, no error.
+    assert hello["config"] == {"file": None, "num_processes": None, "mixed_precision": None}
+    assert "config_error" not in hello
+
+    config = tmp_path / "accel.yaml"
+    config.write_text("num_processes: 3\nmixed_precision: bf16\n")
+    code = f"import os; os.environ['NOTEBOOK_ACCEL_CONFIG_FILE'] = {str(config)!r}"
+    assert run(kc, code)["reply"]["status"] == "ok"
+    _, hello = open_comm(kc)  # a new comm's hello reads the file now
+    assert hello["config"] == {"file": str(config), "num_processes": 3, "mixed_precision": "bf16"}
+    assert dict(hello["preview"]["rows"])["Processes"] == "3"  # the preview reads the same file
+
+    config.write_text("num_processes: 3\n")  # no mixed_precision: the config's default
+    _, hello = open_comm(kc)
+    assert hello["config"]["num_processes"] == 3 and hello["config"]["mixed_precision"] == "no"
+
+    config.write_text("num_processes: many\n")  # a broken file: still a hello, and the reason
+    _, hello = open_comm(kc)
+    assert hello["config"] == {"file": None, "num_processes": None, "mixed_precision": None}
+    assert "num_processes" in hello["config_error"] and str(config) in hello["config_error"]
+    assert hello["hardware"]["logical_cores"] >= 1
+
+
 @pytest.mark.timeout(180)
 def test_stop_from_the_comm_reaches_the_busy_kernel_and_stops_the_cell(kernel, tmp_path):
     km, kc = kernel

@@ -9,7 +9,7 @@ import { CommandToolbarButton } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 import { KernelLink } from './link';
 import { acceleratorIcon } from './icon';
-import { hardwareSummary, LaunchModel, statusText } from './model';
+import { chooseProcesses, hardwareSummary, LaunchModel, statusText } from './model';
 import { renderPanel } from './render';
 import { runCellCode, toggleSessionCode } from './code';
 
@@ -29,9 +29,22 @@ function activate(
   statusBar: IStatusBar | null,
   palette: ICommandPalette | null
 ): void {
-  let numProcesses = 2;
+  // The numProcesses setting; 0 (its default): the active kernel's config file's num_processes, else 2.
+  let setting = 0;
   const links = new Map<NotebookPanel, KernelLink>();
   const linkOf = (panel: NotebookPanel | null) => (panel ? links.get(panel) : undefined);
+  const processes = () => chooseProcesses(setting, linkOf(tracker.currentWidget)?.model.hello);
+  const whence = () => {
+    const choice = processes();
+    if (choice.from === 'setting') {
+      return 'the numProcesses setting';
+    }
+    const file = linkOf(tracker.currentWidget)?.model.hello?.config?.file;
+    return choice.from === 'config'
+      ? `num_processes in ${file ?? 'the config file'}`
+      : 'the default (no numProcesses setting, no num_processes in the config file)';
+  };
+  let shownProcesses = 0; // the N the commands' labels last showed
 
   const status = new Widget();
   status.addClass('nacc-x-status');
@@ -43,6 +56,27 @@ function activate(
   sidebar.addClass('nacc-x-panel');
   sidebar.title.icon = acceleratorIcon;
   sidebar.title.caption = 'notebook_accel sessions and launches';
+  // A redraw between a button's pointerdown and pointerup would replace the button and lose the
+  // click (running launches redraw every second): hold redraws while a pointer is down on the panel.
+  let pressed = false;
+  let pressedAt = 0;
+  let heldDraw = false;
+  sidebar.node.addEventListener('pointerdown', () => {
+    pressed = true;
+    pressedAt = Date.now();
+  });
+  const release = () => {
+    if (!pressed) {
+      return;
+    }
+    pressed = false;
+    if (heldDraw) {
+      heldDraw = false;
+      window.setTimeout(() => draw(), 0); // after this pointerup's click
+    }
+  };
+  window.addEventListener('pointerup', release, true);
+  window.addEventListener('pointercancel', release, true);
   sidebar.node.addEventListener('click', event => {
     const action = (event.target as HTMLElement).closest('[data-action]')?.getAttribute('data-action');
     const link = linkOf(tracker.currentWidget);
@@ -62,13 +96,24 @@ function activate(
   const draw = () => {
     const panel = tracker.currentWidget;
     const link = linkOf(panel);
+    const numProcesses = processes().n;
+    if (numProcesses !== shownProcesses) {
+      // A hello with the config's num_processes, another notebook, or the setting changed N.
+      shownProcesses = numProcesses;
+      app.commands.notifyCommandChanged(CommandIDs.runCell);
+      app.commands.notifyCommandChanged(CommandIDs.toggleSession);
+    }
     const text = link ? statusText(link.model, numProcesses) : 'not connected';
     status.node.textContent = `⚡ ${text}`;
     status.node.dataset.state = link?.model.current?.finished ? 'finished' : link?.model.current ? 'running' : '';
     if (link?.model.hello) {
       status.node.title = `notebook_accel: ${hardwareSummary(link.model.hello, numProcesses)}; click for details`;
     }
-    sidebar.node.innerHTML = renderPanel(link?.model ?? new LaunchModel(), panel?.title.label ?? 'no notebook');
+    if (pressed && Date.now() - pressedAt < 2000) {
+      heldDraw = true; // (a press whose pointerup never came holds nothing for long)
+    } else {
+      sidebar.node.innerHTML = renderPanel(link?.model ?? new LaunchModel(), panel?.title.label ?? 'no notebook');
+    }
   };
   // Elapsed times move while a launch runs.
   window.setInterval(() => {
@@ -105,8 +150,9 @@ function activate(
   });
 
   app.commands.addCommand(CommandIDs.runCell, {
-    label: () => `Run cell on ${numProcesses} processes`,
-    caption: () => `Run the active cell with %%accelerate -n ${numProcesses} (the cell is not edited)`,
+    label: () => `Run cell on ${processes().n} processes`,
+    caption: () =>
+      `Run the active cell with %%accelerate -n ${processes().n} (the cell is not edited); N is ${whence()}`,
     icon: acceleratorIcon,
     isEnabled: () => tracker.activeCell?.model.type === 'code',
     execute: async () => {
@@ -116,7 +162,7 @@ function activate(
         return;
       }
       const model = cell.model;
-      const code = runCellCode(model.sharedModel.getSource(), numProcesses);
+      const code = runCellCode(model.sharedModel.getSource(), processes().n);
       model.clearExecution();
       cell.outputHidden = false;
       model.executionState = 'running';
@@ -135,14 +181,14 @@ function activate(
   });
 
   app.commands.addCommand(CommandIDs.toggleSession, {
-    label: () => `Start / stop a session (${numProcesses} workers)`,
+    label: () => `Start / stop a session (${processes().n} workers)`,
     execute: async () => {
       const kernel = tracker.currentWidget?.sessionContext.session?.kernel;
       if (!kernel) {
         return;
       }
       let text = '';
-      const future = kernel.requestExecute({ code: toggleSessionCode(numProcesses), silent: false });
+      const future = kernel.requestExecute({ code: toggleSessionCode(processes().n), silent: false });
       future.onIOPub = msg => {
         const content = msg.content as any;
         if (msg.header.msg_type === 'stream') {
@@ -178,9 +224,9 @@ function activate(
 
   if (settings) {
     const apply = (s: ISettingRegistry.ISettings) => {
-      numProcesses = (s.get('numProcesses').composite as number) || 2;
-      app.commands.notifyCommandChanged();
-      draw();
+      const value = s.get('numProcesses').composite;
+      setting = typeof value === 'number' ? value : 0;
+      draw(); // notifies the commands when N changed
     };
     settings
       .load(PLUGIN_ID)

@@ -7,6 +7,13 @@ export interface Preview {
   error: string | null;
 }
 
+/** What the kernel's config file gives a launch (comm.py's launch_defaults); null where it gives none. */
+export interface LaunchDefaults {
+  file: string | null;
+  num_processes: number | null;
+  mixed_precision: string | null;
+}
+
 export interface Hello {
   type: 'hello';
   version?: string;
@@ -14,6 +21,8 @@ export interface Hello {
   hardware_error?: string;
   preview: Preview | null;
   session?: SessionMessage | null;
+  config?: LaunchDefaults | null; // absent from older kernels
+  config_error?: string;
 }
 
 /** What comm.py's session_message sends. Rank states: idle, busy, dead, stopped. */
@@ -246,7 +255,40 @@ export function formatSeconds(s: number): string {
   return s < 60 ? `${s.toFixed(1)} s` : `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
 }
 
-/** "2 x CPU · MULTI_CPU": what "Run cell on N processes" would use here. */
+/** N when neither the setting nor the config gives one. */
+export const DEFAULT_PROCESSES = 2;
+
+export type ProcessesSource = 'setting' | 'config' | 'default';
+
+/**
+ * N for "Run cell on N processes" and "Start / stop a session": the numProcesses setting when the
+ * user gave one (1 or more); else (0, the schema's default) the kernel's config file's num_processes,
+ * known from its hello; else DEFAULT_PROCESSES.
+ */
+export function chooseProcesses(
+  setting: number | null | undefined,
+  hello: Hello | null | undefined
+): { n: number; from: ProcessesSource } {
+  if (typeof setting === 'number' && Number.isInteger(setting) && setting >= 1) {
+    return { n: setting, from: 'setting' };
+  }
+  const fromConfig = hello?.config?.num_processes;
+  if (typeof fromConfig === 'number' && Number.isInteger(fromConfig) && fromConfig >= 1) {
+    return { n: fromConfig, from: 'config' };
+  }
+  return { n: DEFAULT_PROCESSES, from: 'default' };
+}
+
+/** The precision a launch would use: the config's mixed_precision unless "no", else fp32. */
+export function launchPrecision(hello: Hello): string {
+  // A kernel without the config field: its launch preview shows the same value.
+  const given = hello.config
+    ? hello.config.mixed_precision
+    : new Map(hello.preview?.rows ?? []).get('Mixed precision');
+  return given && given !== 'no' ? given : 'fp32';
+}
+
+/** "2 x CPU · MULTI_CPU · fp32": what "Run cell on N processes" would use here. */
 export function hardwareSummary(hello: Hello, numProcesses: number): string {
   const rows = new Map(hello.preview?.rows ?? []);
   const accelerators: any[] = hello.hardware?.accelerators ?? [];
@@ -262,7 +304,7 @@ export function hardwareSummary(hello: Hello, numProcesses: number): string {
     type = (rows.get(withN) ?? type).split(' ')[0];
   }
   const device = accelerators.length ? accelerators[0].name : 'CPU';
-  return `${count} x ${device} · ${type}`;
+  return `${count} x ${device} · ${type} · ${launchPrecision(hello)}`;
 }
 
 /** The status bar's text for the active notebook's kernel. */

@@ -17,10 +17,93 @@ function table(rows: [string, string][]): string {
   return `<table class="nacc-x-table">${body}</table>`;
 }
 
-function gib(bytes: number | null | undefined): string {
-  return bytes ? (bytes / 2 ** 30).toFixed(1) : '?';
+/** Like table(), but the values are HTML already (bars, badges). */
+function htmlTable(rows: [string, string][]): string {
+  const body = rows.map(([k, v]) => `<tr><th>${esc(k)}</th><td>${v}</td></tr>`).join('');
+  return `<table class="nacc-x-table">${body}</table>`;
 }
 
+function gib(bytes: number | null | undefined): string {
+  return typeof bytes === 'number' ? (bytes / 2 ** 30).toFixed(1) : '?';
+}
+
+// As the hardware widget (notebook_accel/jupyter/hardware_panel.py) names them.
+export const ENVIRONMENT_NAMES: Record<string, string> = {
+  colab: 'Google Colab',
+  kaggle: 'Kaggle',
+  vscode: 'VS Code',
+  jupyterlab: 'JupyterLab',
+  notebook: 'Jupyter Notebook',
+  ipython: 'IPython terminal',
+  terminal: 'terminal',
+  script: 'script'
+};
+export const VERSION_NAMES: [string, string][] = [
+  ['Python', 'python'],
+  ['torch', 'torch'],
+  ['CUDA (torch build)', 'cuda'],
+  ['torch_xla', 'torch_xla'],
+  ['notebook_accel', 'notebook_accel']
+];
+export const PRECISIONS = ['bf16', 'fp16', 'fp8'];
+
+/** A usage bar (theme colours; the warning colour from 90 %) followed by `text`. */
+export function bar(used: number | null | undefined, total: number | null | undefined, text: string): string {
+  if (typeof used !== 'number' || typeof total !== 'number' || !total) {
+    return esc(text);
+  }
+  const share = Math.min(Math.max(used / total, 0), 1);
+  const colour = share >= 0.9 ? 'var(--jp-warn-color1)' : 'var(--jp-brand-color1)';
+  return (
+    `<span class="nacc-x-bar" title="${Math.round(share * 100)}%" style="display:inline-block;width:60px;` +
+    'height:8px;margin-right:6px;vertical-align:middle;border-radius:2px;overflow:hidden;' +
+    'background:var(--jp-layout-color3)">' +
+    `<span class="nacc-x-bar-fill${share >= 0.9 ? ' nacc-x-high' : ''}" style="display:block;height:100%;` +
+    `width:${(share * 100).toFixed(1)}%;background:${colour}"></span></span>${esc(text)}`
+  );
+}
+
+/** "bf16" marked supported or not, as the widget's badges. */
+export function badge(text: string, on: boolean): string {
+  const look = on
+    ? 'background:var(--jp-success-color1);color:var(--jp-ui-inverse-font-color1)'
+    : 'color:var(--jp-ui-font-color3);text-decoration:line-through;border:1px solid var(--jp-border-color2)';
+  return (
+    `<span class="nacc-x-badge nacc-x-badge-${on ? 'on' : 'off'}" title="${esc(text)} ` +
+    `${on ? 'supported' : 'not supported'}" style="padding:0 4px;margin-right:3px;border-radius:2px;${look}">` +
+    `${esc(text)}</span>`
+  );
+}
+
+function renderAccelerators(devices: any[]): string {
+  if (!devices.length) {
+    return '<div class="nacc-x-muted">none: CPU only</div>';
+  }
+  const rows = devices.map(d => {
+    let memory = '-';
+    if (d.total_memory && typeof d.free_memory === 'number') {
+      const used = d.total_memory - d.free_memory;
+      memory = bar(used, d.total_memory, `${gib(used)} / ${gib(d.total_memory)} GiB used`);
+    } else if (d.total_memory) {
+      memory = esc(`${gib(d.total_memory)} GiB`);
+    }
+    const capability = Array.isArray(d.compute_capability) ? d.compute_capability.join('.') : '-';
+    const flags = PRECISIONS.map(t => badge(t, !!d[`supports_${t}`])).join('');
+    const name = esc(`${d.kind}:${d.index}`);
+    return (
+      `<tr class="nacc-x-device" data-device="${name}"><td>${name}</td>` +
+      `<td>${esc(d.name)}</td><td>${memory}</td><td>${esc(capability)}</td><td>${flags}</td></tr>`
+    );
+  });
+  return (
+    '<table class="nacc-x-table nacc-x-devices"><tr><th>device</th><th>name</th><th>memory</th>' +
+    '<th>capability</th><th>precision</th></tr>' +
+    rows.join('') +
+    '</table>'
+  );
+}
+
+/** The hardware widget's content: this machine, its accelerators, versions, and what a launch would use. */
 export function renderHardware(model: LaunchModel): string {
   const hello = model.hello;
   if (!hello) {
@@ -29,29 +112,44 @@ export function renderHardware(model: LaunchModel): string {
       'in a Python notebook.</div>'
     );
   }
-  const hw = hello.hardware ?? {};
-  const rows: [string, string][] = [
-    ['CPU', `${hw.cpu_model ?? '?'} · ${hw.logical_cores ?? '?'} cores`],
-    ['RAM', `${gib(hw.ram_total)} GiB`]
-  ];
-  for (const a of hw.accelerators ?? []) {
-    rows.push([`${a.kind}:${a.index}`, `${a.name} · ${gib(a.total_memory)} GiB`]);
+  let out = '';
+  const hw = hello.hardware;
+  if (hw) {
+    const environment = ENVIRONMENT_NAMES[hw.environment] ?? hw.environment ?? '?';
+    const total = hw.ram_total;
+    const available = hw.ram_available;
+    const used = typeof total === 'number' && typeof available === 'number' ? total - available : null;
+    const cores = hw.logical_cores ?? '?';
+    const machine: [string, string][] = [
+      ['Environment', esc(environment)],
+      ['CPU', esc(`${hw.cpu_model ?? '?'} · ${hw.physical_cores ?? '?'} physical / ${cores} logical cores`)],
+      ['RAM', bar(used, total, `${gib(used)} / ${gib(total)} GiB used`)],
+      ['Device family', esc(hw.device_family || 'none (CPU only)')],
+      ['TPU', hw.tpu ? 'yes' : 'no']
+    ];
+    const versions = hw.versions ?? {};
+    out +=
+      htmlTable(machine) +
+      '<div class="nacc-x-section">Accelerators</div>' +
+      renderAccelerators(Array.isArray(hw.accelerators) ? hw.accelerators : []) +
+      '<div class="nacc-x-section">Versions</div>' +
+      table(VERSION_NAMES.map(([name, key]) => [name, versions[key] || '-']));
   }
-  if (!(hw.accelerators ?? []).length) {
-    rows.push(['Accelerators', 'none (CPU only)']);
-  }
-  if (hw.versions) {
-    rows.push(['torch', hw.versions.torch ?? '-']);
-  }
-  let out = table(rows);
   if (hello.hardware_error) {
     out += `<div class="nacc-x-error">hardware probe failed: ${esc(hello.hardware_error)}</div>`;
   }
   const preview = hello.preview;
-  if (preview?.error) {
-    out += `<div class="nacc-x-error">a launch here would fail: ${esc(preview.error)}</div>`;
-  } else if (preview) {
-    out += '<div class="nacc-x-section">A launch here would use</div>' + table(preview.rows);
+  if (preview) {
+    out += '<div class="nacc-x-section">A launch here would use</div>';
+    if (preview.error) {
+      out += `<div class="nacc-x-error">a launch here would fail: ${esc(preview.error)}</div>`;
+    } else {
+      out += table(preview.rows);
+      out += (preview.notes ?? []).map(note => `<div class="nacc-x-muted nacc-x-note">${esc(note)}</div>`).join('');
+    }
+  }
+  if (hello.config_error && !preview?.error?.includes(hello.config_error)) {
+    out += `<div class="nacc-x-error">config file: ${esc(hello.config_error)}</div>`;
   }
   return out;
 }

@@ -1,6 +1,13 @@
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { hardwareSummary, LaunchModel, statusText } from '../src/model';
+import {
+  chooseProcesses,
+  DEFAULT_PROCESSES,
+  hardwareSummary,
+  launchPrecision,
+  LaunchModel,
+  statusText
+} from '../src/model';
 import { runCellCode, toggleSessionCode } from '../src/code';
 
 const HELLO = {
@@ -33,8 +40,8 @@ test('not connected until the hello, then the hardware summary', () => {
   assert.equal(statusText(model, 2), 'not connected');
   assert.equal(model.apply({ type: 'something else' }), false);
   assert.equal(model.apply(HELLO), true);
-  assert.equal(statusText(model, 2), '2 x CPU · MULTI_CPU');
-  assert.equal(statusText(model, 3), '3 x CPU · MULTI_CPU');
+  assert.equal(statusText(model, 2), '2 x CPU · MULTI_CPU · fp32');
+  assert.equal(statusText(model, 3), '3 x CPU · MULTI_CPU · fp32');
 });
 
 test('the summary names accelerators and a launch that would fail', () => {
@@ -43,7 +50,7 @@ test('the summary names accelerators and a launch that would fail', () => {
     hardware: { accelerators: [{ name: 'NVIDIA H200' }, { name: 'NVIDIA H200' }] },
     preview: { rows: [['Distributed type', 'MULTI_GPU'], ['Processes', '2']], notes: [], error: null }
   } as any;
-  assert.equal(hardwareSummary(gpus, 4), '2 x NVIDIA H200 · MULTI_GPU');
+  assert.equal(hardwareSummary(gpus, 4), '2 x NVIDIA H200 · MULTI_GPU · fp32');
   const broken = { ...HELLO, preview: { rows: [], notes: [], error: 'no port' } } as any;
   assert.equal(hardwareSummary(broken, 2), 'launch would fail: no port');
 });
@@ -139,9 +146,9 @@ test('sessions: started, restarted (new pids), stopped; the status bar says so',
   assert.equal(model.apply(session(1, 'running', [20, 21]), 0), true);
   assert.equal(live(model)?.workers, 2);
   assert.deepEqual(live(model)?.ranks.map(r => r.pid), [20, 21]);
-  assert.equal(statusText(model, 2), '2 x CPU · MULTI_CPU · session: 2 workers');
+  assert.equal(statusText(model, 2), '2 x CPU · MULTI_CPU · fp32 · session: 2 workers');
   model.apply(session(1, 'restarting', [20, 21], 'busy'));
-  assert.equal(statusText(model, 2), '2 x CPU · MULTI_CPU · session: restarting');
+  assert.equal(statusText(model, 2), '2 x CPU · MULTI_CPU · fp32 · session: restarting');
   model.apply(session(1, 'running', [30, 31]));
   assert.equal(live(model)?.restarts, 1);
   assert.deepEqual(live(model)?.ranks.map(r => r.pid), [30, 31]);
@@ -195,4 +202,48 @@ test('a multi-node notice shows until a rank starts', () => {
   model.apply(ev('RankStarted', { rank: 0, pid: 10 }), 0);
   assert.equal(model.current!.notice, undefined);
   assert.equal(statusText(model, 2), '1/2 ranks running');
+});
+
+const config = (num_processes: number | null, mixed_precision: string | null = null) => ({
+  file: num_processes === null && mixed_precision === null ? null : '/home/me/accel.yaml',
+  num_processes,
+  mixed_precision
+});
+
+test('N: the setting when given, else the config file\'s num_processes, else 2', () => {
+  const withConfig = { ...HELLO, config: config(3) } as any;
+  const without = { ...HELLO, config: config(null) } as any;
+  // The schema's default (0): the config's, known once the kernel said hello.
+  assert.deepEqual(chooseProcesses(0, withConfig), { n: 3, from: 'config' });
+  assert.deepEqual(chooseProcesses(0, without), { n: DEFAULT_PROCESSES, from: 'default' });
+  assert.deepEqual(chooseProcesses(0, null), { n: 2, from: 'default' }); // not connected yet
+  assert.deepEqual(chooseProcesses(0, HELLO as any), { n: 2, from: 'default' }); // an older kernel: no config
+  // An explicit value wins over the config.
+  assert.deepEqual(chooseProcesses(4, withConfig), { n: 4, from: 'setting' });
+  assert.deepEqual(chooseProcesses(1, withConfig), { n: 1, from: 'setting' });
+  // Nothing usable from either: the default.
+  assert.deepEqual(chooseProcesses(undefined, { ...HELLO, config: config(0) } as any), { n: 2, from: 'default' });
+  assert.deepEqual(chooseProcesses(null, { ...HELLO, config: config(2.5) } as any), { n: 2, from: 'default' });
+  assert.deepEqual(chooseProcesses(-1, withConfig), { n: 3, from: 'config' });
+});
+
+test('the summary ends with the precision a launch would use: the config\'s, else fp32', () => {
+  const model = new LaunchModel();
+  model.apply({ ...HELLO, config: config(3, 'bf16') });
+  assert.equal(launchPrecision(model.hello!), 'bf16');
+  assert.equal(statusText(model, 3), '3 x CPU · MULTI_CPU · bf16');
+  assert.equal(launchPrecision({ ...HELLO, config: config(3, 'no') } as any), 'fp32'); // "no": full precision
+  assert.equal(launchPrecision({ ...HELLO, config: config(null) } as any), 'fp32');
+  assert.equal(launchPrecision({ ...HELLO, config: config(null, 'fp8') } as any), 'fp8');
+  // A kernel that sends no config: its launch preview's row says the same.
+  const older = { ...HELLO, preview: { rows: [['Mixed precision', 'fp16']], notes: [], error: null } } as any;
+  assert.equal(launchPrecision(older), 'fp16');
+  // The issue's example.
+  const gpus = {
+    type: 'hello',
+    hardware: { accelerators: Array.from({ length: 8 }, () => ({ name: 'H100' })) },
+    preview: { rows: [['Distributed type', 'MULTI_GPU'], ['Processes', '8']], notes: [], error: null },
+    config: config(null, 'bf16')
+  } as any;
+  assert.equal(hardwareSummary(gpus, 2), '8 x H100 · MULTI_GPU · bf16');
 });

@@ -78,3 +78,125 @@ test('a running launch shows its notice; a finished one does not', () => {
   model.apply({ type: 'event', launch: 1, event: 'LaunchFinished', ok: false, seconds: 600, stopped: '' }, 0);
   assert.doesNotMatch(renderPanel(model, 'nb.ipynb', 0), /nacc-x-notice/);
 });
+
+// As HardwareReport.to_dict() sends it (notebook_accel/hardware.py).
+const HARDWARE = {
+  cpu_model: 'AMD EPYC 9654',
+  physical_cores: 96,
+  logical_cores: 192,
+  ram_total: 64 * 2 ** 30,
+  ram_available: 16 * 2 ** 30,
+  accelerators: [
+    {
+      kind: 'cuda', index: 0, name: 'NVIDIA H100 80GB HBM3', total_memory: 80 * 2 ** 30,
+      free_memory: 60 * 2 ** 30, compute_capability: [9, 0],
+      supports_bf16: true, supports_fp16: true, supports_fp8: true
+    },
+    {
+      kind: 'cuda', index: 1, name: 'Tesla T4', total_memory: 16 * 2 ** 30, free_memory: 2 ** 30,
+      compute_capability: [7, 5], supports_bf16: false, supports_fp16: true, supports_fp8: false
+    }
+  ],
+  device_family: 'cuda',
+  tpu: false,
+  environment: 'colab',
+  versions: { python: '3.11.9', torch: '2.5.1', cuda: '12.4', torch_xla: null, notebook_accel: '0.1.0' }
+};
+const PREVIEW = {
+  rows: [['Distributed type', 'MULTI_GPU'], ['Processes', '2'], ['Mixed precision', 'bf16']],
+  notes: ["from /home/me/accel.yaml: mixed_precision='bf16'"],
+  error: null
+};
+
+function hardwareHtml(hardware: object, preview: object | null = PREVIEW): string {
+  const model = new LaunchModel();
+  model.apply({ type: 'hello', hardware, preview });
+  return renderPanel(model, 'nb.ipynb', 0);
+}
+
+/** The table cell after the header `name`, as text. */
+function cellAfter(html: string, name: string): string {
+  const m = html.match(new RegExp(`<th>${name}</th><td>(.*?)</td>`));
+  assert.ok(m, `no row ${name}`);
+  return m[1].replace(/<[^>]*>/g, '');
+}
+
+test('the hardware section: environment, CPU, RAM used of total, device family, TPU', () => {
+  const html = hardwareHtml(HARDWARE);
+  assert.equal(cellAfter(html, 'Environment'), 'Google Colab');
+  assert.equal(cellAfter(html, 'CPU'), 'AMD EPYC 9654 · 96 physical / 192 logical cores');
+  assert.equal(cellAfter(html, 'RAM'), '48.0 / 64.0 GiB used');
+  assert.match(html, /class="nacc-x-bar" title="75%"/);
+  assert.equal(cellAfter(html, 'Device family'), 'cuda');
+  assert.equal(cellAfter(html, 'TPU'), 'no');
+  // An environment the widget has no name for is shown as sent; CPU only says so.
+  const cpuOnly = { ...HARDWARE, environment: 'jupyterlab', accelerators: [], device_family: null, tpu: true };
+  const cpu = hardwareHtml(cpuOnly);
+  assert.equal(cellAfter(cpu, 'Environment'), 'JupyterLab');
+  assert.equal(cellAfter(cpu, 'Device family'), 'none (CPU only)');
+  assert.equal(cellAfter(cpu, 'TPU'), 'yes');
+  assert.match(cpu, /none: CPU only/);
+  assert.equal(cellAfter(hardwareHtml({ ...HARDWARE, environment: 'sagemaker' }), 'Environment'), 'sagemaker');
+});
+
+test('each accelerator: memory used of total, capability, bf16 / fp16 / fp8 support', () => {
+  const html = hardwareHtml(HARDWARE);
+  const row = (device: string) => {
+    const m = html.match(new RegExp(`<tr class="nacc-x-device" data-device="${device}">(.*?)</tr>`));
+    assert.ok(m, `no row for ${device}`);
+    return m[1];
+  };
+  const h100 = row('cuda:0');
+  assert.match(h100, /NVIDIA H100 80GB HBM3/);
+  assert.match(h100, /20\.0 \/ 80\.0 GiB used/);
+  assert.match(h100, /<td>9\.0<\/td>/);
+  for (const t of ['bf16', 'fp16', 'fp8']) {
+    assert.match(h100, new RegExp(`nacc-x-badge-on" title="${t} supported"`));
+  }
+  const t4 = row('cuda:1');
+  assert.match(t4, /15\.0 \/ 16\.0 GiB used/);
+  assert.match(t4, /nacc-x-bar-fill nacc-x-high/); // 94 % used: the warning colour
+  assert.match(t4, /nacc-x-badge-off" title="bf16 not supported"/);
+  assert.match(t4, /nacc-x-badge-on" title="fp16 supported"/);
+  assert.match(t4, /nacc-x-badge-off" title="fp8 not supported"/);
+  // Memory unknown, or free memory unknown: no bar.
+  const bare = hardwareHtml({
+    ...HARDWARE,
+    accelerators: [
+      { kind: 'mps', index: 0, name: 'Apple M2', total_memory: null, free_memory: null, compute_capability: null },
+      { kind: 'xpu', index: 0, name: 'Arc', total_memory: 2 ** 34, free_memory: null, compute_capability: null }
+    ]
+  });
+  assert.match(bare, /data-device="mps:0"><td>mps:0<\/td><td>Apple M2<\/td><td>-<\/td><td>-<\/td>/);
+  assert.match(bare, /<td>16\.0 GiB<\/td>/);
+  assert.equal((bare.match(/nacc-x-badge-off/g) ?? []).length, 6);
+});
+
+test('versions, as the widget lists them; a missing one is "-"', () => {
+  const html = hardwareHtml(HARDWARE);
+  assert.match(html, /<div class="nacc-x-section">Versions<\/div>/);
+  assert.equal(cellAfter(html, 'Python'), '3.11.9');
+  assert.equal(cellAfter(html, 'torch'), '2.5.1');
+  assert.equal(cellAfter(html, 'CUDA \\(torch build\\)'), '12.4');
+  assert.equal(cellAfter(html, 'torch_xla'), '-');
+  assert.equal(cellAfter(html, 'notebook_accel'), '0.1.0');
+});
+
+test('what a launch here would use: the preview rows and its notes; or why it would fail', () => {
+  const html = hardwareHtml(HARDWARE);
+  assert.match(html, /A launch here would use/);
+  assert.equal(cellAfter(html, 'Distributed type'), 'MULTI_GPU');
+  assert.equal(cellAfter(html, 'Mixed precision'), 'bf16');
+  const note = '<div class="nacc-x-muted nacc-x-note">from /home/me/accel.yaml: mixed_precision=\'bf16\'</div>';
+  assert.ok(html.includes(note), html);
+  const failing = hardwareHtml(HARDWARE, { rows: [], notes: [], error: 'no free port' });
+  assert.match(failing, /class="nacc-x-error">a launch here would fail: no free port/);
+  assert.doesNotMatch(failing, /nacc-x-note/);
+  // A broken config file is named once, whether or not the preview already says so.
+  const model = new LaunchModel();
+  model.apply({ type: 'hello', hardware: HARDWARE, preview: PREVIEW, config_error: 'config file x: bad' });
+  assert.equal((renderPanel(model, 'nb', 0).match(/config file x: bad/g) ?? []).length, 1);
+  model.apply({ type: 'hello', hardware: HARDWARE, preview: { rows: [], notes: [], error: 'config file x: bad' },
+    config_error: 'config file x: bad' });
+  assert.equal((renderPanel(model, 'nb', 0).match(/config file x: bad/g) ?? []).length, 1);
+});

@@ -1,6 +1,8 @@
 """The kernel end of the JupyterLab extension (extension/): a comm target named "notebook_accel".
 
-When the front end opens a comm, the kernel answers with a hello (hardware report, launch preview);
+When the front end opens a comm, the kernel answers with a hello (hardware report, launch preview,
+and the config file's launch defaults: {"config": {"file", "num_processes", "mixed_precision"}},
+each null without a config file, so "Run cell on N processes" can default to the config's N);
 then every launch's events go to all open comms through `CommSink`, and every change of the
 kernel's interactive session (start, restart, stop; jupyter/session.py calls `notify_session`) goes
 as {"type": "session", "id", "state", "workers", "start_method", "ranks": [{rank, pid, state, device}]}.
@@ -71,7 +73,10 @@ def active_sinks() -> list:
 
 
 def hello() -> dict:
-    message = {"type": "hello", "version": _version(), "hardware": None, "preview": None, "session": None}
+    message = {"type": "hello", "version": _version(), "hardware": None, "preview": None, "session": None,
+               "config": launch_defaults()}  # fmt: skip
+    if message["config"].get("error"):
+        message["config_error"] = message["config"].pop("error")
     try:
         from . import session
 
@@ -98,6 +103,24 @@ def hello() -> dict:
     except Exception as exc:
         message["preview"] = {"rows": [], "notes": [], "error": str(exc) or type(exc).__name__}
     return message
+
+
+def launch_defaults() -> dict:
+    """What the config file (config.default_config_file()) gives a launch that names no values:
+    {"file", "num_processes" (per machine, as `-n` means), "mixed_precision"}, null where it gives
+    none or there is no file; plus "error" for a file that cannot be used."""
+    out = {"file": None, "num_processes": None, "mixed_precision": None}
+    try:
+        from .. import config
+
+        found = config.load_default()
+    except Exception as exc:  # a broken file still says hello; a launch would report it too
+        return {**out, "error": str(exc) or type(exc).__name__}
+    if found is None:
+        return out
+    defaults = found.launch_defaults()
+    return {"file": found.path, "num_processes": defaults.get("num_processes"),
+            "mixed_precision": defaults.get("mixed_precision")}  # fmt: skip
 
 
 def _version() -> str:

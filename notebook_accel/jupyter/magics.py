@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 
 from IPython.core.error import UsageError
@@ -57,6 +58,7 @@ def _names(text: str) -> tuple:
     return names
 
 
+@functools.lru_cache(maxsize=1)  # built once: a session cell's whole round trip is a few ms
 def cell_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="%%accelerate", add_help=False, description="Run this cell on N processes.")
     p.add_argument(

@@ -296,6 +296,24 @@ def test_a_badly_signed_frame_is_dropped_unread(session, tmp_path):
     assert results(session, "'still fine'") == {0: "'still fine'", 1: "'still fine'"}
 
 
+@pytest.mark.timeout(60)
+def test_the_channel_listens_on_loopback_only(session):
+    assert session._pool.listener.getsockname() == ("127.0.0.1", session.port)
+    listening = [
+        c.laddr for c in psutil.Process().net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == session.port
+    ]  # fmt: skip
+    assert listening == [("127.0.0.1", session.port)]  # no other socket of ours on that port
+    others = [
+        a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]  # fmt: skip
+    for address in others:  # this machine's other addresses do not reach the channel
+        with pytest.raises(OSError):
+            socket.create_connection((address, session.port), timeout=5).close()
+    assert results(session, "'reachable'") == {0: "'reachable'", 1: "'reachable'"}
+
+
 @pytest.mark.timeout(10)
 def test_frames_are_checked_before_they_are_read():
     key = protocol.new_key()

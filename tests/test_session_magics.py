@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import queue
+import re
 import time
 
 import psutil
@@ -105,17 +107,56 @@ def test_a_killed_worker_is_reported_and_restart_brings_the_session_back(kernel)
     ok(kc, "%accelerate stop")
 
 
-@pytest.mark.timeout(120)
-def test_workers_die_with_the_kernel(kernel):
+def warm_server(processes: list, pids: list) -> psutil.Process:
+    """The warm forkserver (launch/warm.py) among `processes`: the parent of forkserver ranks."""
+    parents = {psutil.Process(pid).ppid() for pid in pids}
+    found = [p for p in processes if p.pid in parents and p.pid not in pids]
+    assert len(found) == 1 and "notebook_accel.launch.warm" in " ".join(found[0].cmdline()), (parents, processes)
+    return found[0]
+
+
+def start_a_busy_cell(kc, timeout: float = 60.0) -> None:
+    """Send a cell that keeps both workers busy; return once both said they are (the cell goes on)."""
+    msg_id = kc.execute("%%accelerate\nimport time\nprint('busy', flush=True)\ntime.sleep(600)")
+    text, deadline = "", time.monotonic() + timeout
+    while not ("[rank 0] busy" in text and "[rank 1] busy" in text):
+        assert time.monotonic() < deadline, f"the cell did not start: {text!r}"
+        try:
+            msg = kc.get_iopub_msg(timeout=0.2)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            text += msg["content"]["text"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+@pytest.mark.parametrize("end", ["kill", "shutdown", "restart"])
+def test_workers_die_with_the_kernel(kernel, end, start_method):
+    """Killed in the middle of a cell (a crash: the workers are busy, their channel is no lifeline),
+    or asked to shut down or restart while idle: no worker, and no warm server, is left."""
     km, kc = kernel
-    ok(kc, "%load_ext notebook_accel\n%accelerate start -n 2")
+    ok(kc, f"%load_ext notebook_accel\n%accelerate start -n 2 --start-method {start_method}", timeout=180)
     pids = worker_pids(kc)
-    assert len(pids) == 2
-    km.shutdown_kernel(now=True)  # the kernel is killed, not asked
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"workers outlived their kernel: {pids}"
-        time.sleep(0.05)
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    processes = kernel_children(km)  # the workers (and their warm server), whatever they started
+    assert set(pids) <= {p.pid for p in processes}, (pids, processes)
+    if start_method == "forkserver":
+        assert warm_server(processes, pids) in processes
+    old_kernel = km.provisioner.pid
+    if end == "kill":
+        start_a_busy_cell(kc)
+        km.shutdown_kernel(now=True)  # the kernel is killed, not asked
+    elif end == "shutdown":
+        km.shutdown_kernel(now=False)  # asked: a shutdown request, the kernel exits by itself
+    else:
+        km.restart_kernel(now=False)  # asked to shut down, then a new kernel starts
+        assert km.provisioner.pid != old_kernel
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in processes):
+        left = [p.pid for p in processes if alive(p)]
+        assert time.monotonic() < deadline, f"processes outlived their kernel ({end}, {start_method}): {left}"
+        time.sleep(0.1)
 
 
 @pytest.mark.timeout(120)
@@ -128,4 +169,92 @@ def test_session_cell_output_goes_to_its_own_launch_panel(kernel):
     values = " ".join(str(state.get("value", "")) for state in seen["comms"].values())
     assert "into the panel" in values and 'data-rank="1" data-status="done"' in values
     assert 'data-rank="0"' not in values  # only the ranks the cell ran on
+    ok(kc, "%accelerate stop")
+
+
+@pytest.mark.timeout(180)
+def test_each_failing_rank_shows_its_own_traceback(kernel):
+    km, kc = kernel
+    ok(kc, "%load_ext notebook_accel\n%accelerate start -n 2")
+    cell = ("%%accelerate\nimport torch.distributed as dist\nrank = dist.get_rank()\nif rank == 0:\n"
+            "    raise KeyError('zero went wrong')\nif rank == 1:\n    {}.pop('one went wrong')\n")  # fmt: skip
+    evalue = failed(kc, cell, "SessionCellError")["reply"]["evalue"]
+    assert "rank 0 raised KeyError: 'zero went wrong'" in evalue
+    assert "rank 1 raised KeyError: 'one went wrong'" in evalue
+    # Each rank's traceback under its own header, with its own line of the cell, labelled as IPython does.
+    assert evalue.count("Traceback from rank 0:") == 1 and evalue.count("Traceback from rank 1:") == 1
+    zero, one = evalue.split("Traceback from rank 0:")[1].split("Traceback from rank 1:")
+    assert "Cell In[" in zero and ", line 4" in zero and "raise KeyError('zero went wrong')" in zero
+    assert "{}.pop('one went wrong')" not in zero
+    assert "Cell In[" in one and ", line 6" in one and "{}.pop('one went wrong')" in one
+    assert "raise KeyError('zero went wrong')" not in one
+    # The same error on both ranks: one traceback, both ranks named.
+    evalue = failed(kc, "%%accelerate\nraise ValueError('everyone')", "SessionCellError")["reply"]["evalue"]
+    assert "rank 0 raised ValueError: everyone" in evalue and "rank 1 raised ValueError: everyone" in evalue
+    assert "Traceback from ranks 0, 1:" in evalue and evalue.count("raise ValueError('everyone')") == 1
+    assert "[rank 1] still here 1" in ok(kc, "%%accelerate\nprint('still here', rank)")["text"]
+    ok(kc, "%accelerate stop")
+
+
+def status_rows(kc) -> dict:
+    """rank -> its `%accelerate status` line."""
+    lines = ok(kc, "%accelerate status")["text"].splitlines()
+    assert lines[0].split() == ["rank", "pid", "state", "device", "memory"], lines
+    return {int(line.split()[0]): line for line in lines[1:] if line.split() and line.split()[0].isdigit()}
+
+
+@pytest.mark.timeout(240)
+def test_start_with_forkserver_and_bf16(kernel):
+    km, kc = kernel
+    ok(kc, "%load_ext notebook_accel")
+    text = ok(kc, "%accelerate start -n 2 --start-method forkserver --mixed-precision bf16", timeout=180)["text"]
+    assert "session started: 2 workers (forkserver)" in text
+    text = ok(kc, "%%accelerate\nfrom notebook_accel import Accelerator, PartialState\n"
+                  "print('precision', Accelerator().mixed_precision, 'of', PartialState().num_processes)")["text"]  # fmt: skip
+    assert "[rank 0] precision bf16 of 2\n" in text and "[rank 1] precision bf16 of 2\n" in text
+    rows = status_rows(kc)
+    assert sorted(rows) == [0, 1]
+    for rank, line in rows.items():  # rank, pid, state, device, memory ("123 MiB")
+        assert re.fullmatch(rf"\s*{rank}\s+\d+\s+idle\s+cpu\s+[1-9]\d* MiB", line), line
+    assert "session stopped" in ok(kc, "%accelerate stop")["text"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_worker_that_exits_is_reported_with_its_exit_code(kernel, start_method):
+    km, kc = kernel
+    ok(kc, f"%load_ext notebook_accel\n%accelerate start -n 2 --start-method {start_method}", timeout=180)
+    seen = failed(kc, "%%accelerate\nimport os, torch.distributed as dist\nif dist.get_rank() == 1:\n"
+                      "    os._exit(3)\nprint('rank 0 went on')", "SessionCellError")  # fmt: skip
+    evalue = seen["reply"]["evalue"]
+    assert "worker died: rank 1 exited with code 3." in evalue and "rank 0 exited" not in evalue
+    rows = status_rows(kc)
+    assert re.fullmatch(r"\s*1\s+\d+\s+dead \(exit code 3\)\s+cpu\s+-", rows[1]), rows[1]
+    assert "dead" not in rows[0]
+    ok(kc, "%accelerate restart", timeout=180)
+    assert "[rank 1] back" in ok(kc, "%%accelerate\nprint('back')")["text"]
+    ok(kc, "%accelerate stop")
+
+
+@pytest.mark.timeout(180)
+def test_a_cell_longer_than_the_interrupt_grace_and_fd_level_output(kernel):
+    from notebook_accel.session.manager import INTERRUPT_GRACE_S
+
+    km, kc = kernel
+    ok(kc, "%load_ext notebook_accel\n%accelerate start -n 2")
+    # No reply has a time limit: a cell that outlasts every internal wait still answers, with its output.
+    seen = ok(kc, f"%%accelerate\nimport time\nprint('going to sleep')\ntime.sleep({INTERRUPT_GRACE_S + 2:g})\n"
+                  "print('awake again')", timeout=150)  # fmt: skip
+    for rank in (0, 1):
+        assert f"[rank {rank}] going to sleep\n" in seen["text"] and f"[rank {rank}] awake again\n" in seen["text"]
+    # Writes to the fds and C-level stdio arrive, the last one without a newline (flushed at the cell's end).
+    # libc's stdout gets a real buffer first (_IOFBF), as it has where PYTHONUNBUFFERED is not set,
+    # so the tail stays in it until the worker flushes libc.
+    seen = ok(kc, "%%accelerate --ranks 1\nimport os, ctypes\nos.write(1, b'fd one\\n')\nos.write(2, b'fd two\\n')\n"
+                  "libc, c_buffer = ctypes.CDLL(None), ctypes.create_string_buffer(1 << 16)\n"
+                  "libc.setvbuf(ctypes.c_void_p.in_dll(libc, 'stdout'), c_buffer, 0, len(c_buffer))\n"
+                  "libc.printf(b'c-level tail')\nNone")  # fmt: skip
+    for line in ("[rank 1] fd one\n", "[rank 1] fd two\n", "[rank 1] c-level tail"):
+        assert line in seen["text"], seen["text"]
+    assert "[rank 0]" not in seen["text"]
     ok(kc, "%accelerate stop")

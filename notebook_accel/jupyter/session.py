@@ -186,15 +186,21 @@ class SessionCellStopped(SessionCellError):
 
 
 def _failure_text(replies: dict, failed: tuple, filename: str, label: str) -> str:
-    first = replies[failed[0]].error or {}
-    lines = [f"rank {failed[0]} raised {first.get('exc_type')}: {first.get('message', '')}"]
-    if first.get("traceback"):
-        tb = cells.relabel_cells(first["traceback"].rstrip().replace(f'File "{filename}"', label))
-        lines += ["", f"Traceback from rank {failed[0]}:", tb]
-    for rank in failed[1:]:
+    """One line per failing rank (its exception), then each failing rank's traceback with the cell's
+    lines labelled as IPython labels them (`Cell In[N]`) under a `Traceback from rank R:` header;
+    ranks whose tracebacks read the same share one (`Traceback from ranks 0, 1:`)."""
+    lines, tracebacks = [], {}  # traceback text -> the ranks that raised it
+    for rank in failed:
         err = replies[rank].error or {}
-        lines.append(f"also: rank {rank} raised {err.get('exc_type')}: {err.get('message', '')}")
-    lines.append("The session goes on: the workers keep their state.")
+        lines.append(f"rank {rank} raised {err.get('exc_type')}: {err.get('message', '')}")
+        text = (err.get("traceback") or "").rstrip()
+        if text:
+            text = cells.relabel_cells(text.replace(f'File "{filename}"', label))
+            tracebacks.setdefault(text, []).append(rank)
+    for text, ranks in tracebacks.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        lines += ["", f"Traceback from {who}:", text]
+    lines += ["", "The session goes on: the workers keep their state."]
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from ..launch.sinks import Fanout
 from ..session import Session, SessionTimeout, WorkerDied, parse_ranks
 from . import cells
 
+PANEL_AFTER_S = 0.5  # a silent session cell shows its launch panel (with Stop) after this long
 _current: Optional["KernelSession"] = None
 _auto = False
 _ids = itertools.count(1)
@@ -74,7 +75,7 @@ class KernelSession:
 
     @property
     def world(self) -> int:
-        return len(self.session.status()) or (self.session.num_processes or 0)
+        return len(self.session.pids()) or (self.session.num_processes or 0)
 
     def _on_output(self, rank: int, stream: str, text: str, transient: bool) -> None:
         self.queue.put(ev.RankOutput(rank, stream, text, transient))  # the reader thread: no I/O here
@@ -87,22 +88,26 @@ class KernelSession:
                 return
             if self.sink is not None:
                 self.sink.handle(event)
+        if self.sink is not None:
+            self.sink.poll()  # a quiet cell's panel appears once the cell has run a while
 
     # -- a cell on the workers ------------------------------------------------------------------
     def run_cell(self, source: str, ranks=None, timeout: Optional[float] = None, out: tuple = ()) -> None:
         from .. import launch
 
-        targets = parse_ranks(ranks, self.world)
+        pids = self.session.pids()
+        world = len(pids) or (self.session.num_processes or 0)
+        targets = parse_ranks(ranks, world)
         number = cells.cell_number(self.shell)
         filename = self.shell.compile.cache(source, number)
         label = f"Cell In[{number}]"
-        pids = {row["rank"]: row["pid"] for row in self.session.status()}
         self._pump()  # output that arrived between cells belongs to no cell: show it here
-        sink = Fanout(launch.launcher.default_sinks())
+        # A panel only for cells that print, fail or take a while: a quick silent one draws nothing.
+        sink = Fanout(launch.launcher.default_sinks(show_after=PANEL_AFTER_S))
         stop = _Stop(self.session, targets)
         sink.attach(stop)
         self.sink = sink
-        sink.handle(ev.LaunchStarted(len(targets), "session", self.world, ranks=tuple(targets)))
+        sink.handle(ev.LaunchStarted(len(targets), "session", world, ranks=tuple(targets)))
         for rank in targets:
             sink.handle(ev.RankStarted(rank, pids.get(rank, 0)))
         started = time.monotonic()

@@ -141,6 +141,11 @@ class Session:
             if pool.workers[rank].busy:
                 pool.signal(pool.workers[rank], signal.SIGINT)
 
+    def pids(self) -> dict:
+        """rank -> pid of each worker ({} before start); cheap, unlike status()."""
+        pool = self._pool
+        return {} if pool is None else {w.rank: w.pid for w in pool.workers}
+
     def status(self) -> list:
         """One dict per rank: rank, pid, state (idle/busy/dead), exitcode, signal, device, rss."""
         import psutil

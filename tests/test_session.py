@@ -162,6 +162,43 @@ SLEEP = "import time\nprint('sleeping')\ntime.sleep(60)"
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["while sending", "as the wait begins"])
+def test_an_interrupt_while_the_cell_is_being_sent_leaves_no_rank_busy(session, lines, monkeypatch, when):
+    """A Ctrl-C can land before the wait starts (seen in CI under load): the ranks that got the
+    cell are interrupted, the one that did not is not waited for, and the next cell runs."""
+    pool = session._pool
+    if when == "while sending":  # SIGINT once rank 0 got the cell, before rank 1 has it
+        send = pool.send
+
+        def send_then_interrupt(w, header, payload=b""):
+            send(w, header, payload)
+            if header.get("type") == "exec" and w.rank == 0:
+                lines.wait_for("sleeping", count=1)
+                signal.raise_signal(signal.SIGINT)
+
+        monkeypatch.setattr(pool, "send", send_then_interrupt)
+    else:  # both got it; the interrupt lands as the wait begins (the interrupt's own waits are real)
+        wait_until, calls = pool.wait_until, []
+
+        def interrupted_wait(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                lines.wait_for("sleeping", count=2)
+                raise KeyboardInterrupt
+            return wait_until(*args, **kwargs)
+
+        monkeypatch.setattr(pool, "wait_until", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        session.run_cell(SLEEP)
+    monkeypatch.undo()
+    deadline = time.monotonic() + 30
+    while [row["state"] for row in session.status()] != ["idle", "idle"]:
+        assert time.monotonic() < deadline, session.status()
+        time.sleep(0.05)
+    assert results(session, "'alive'") == {0: "'alive'", 1: "'alive'"}
+
+
+@pytest.mark.timeout(60)
 def test_keyboard_interrupt_while_waiting(session, lines):
     main = threading.main_thread().ident
 

@@ -6,9 +6,11 @@ blocks the calling thread (the kernel's) until the ranks answer: no reply has a 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import signal
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -184,9 +186,19 @@ class Session:
         busy = [r for r in targets if pool.workers[r].busy]
         if busy:
             raise SessionError(f"ranks {busy} are still running an earlier request; interrupt() or restart()")
-        req = pool.submit(next(self._ids), targets, header, payload)
+        req = Request(next(self._ids), targets)
+        # A Ctrl-C while the request is being sent waits until every rank has it, then interrupts
+        # them all; raised mid-send it would leave ranks running a cell nobody waits for.
         try:
+            with _sigint_deferred():
+                pool.submit(req, header, payload)
             self._await(pool, req, timeout)
+        except KeyboardInterrupt:
+            self._interrupt(pool, req)
+            raise
+        except BaseException:
+            pool.cancel_unsent(req)
+            raise
         finally:
             pool.forget(req)
         if req.dead:
@@ -195,11 +207,7 @@ class Session:
 
     def _await(self, pool: WorkerPool, req: Request, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            done = pool.wait_until(req.finished, deadline, self.tick)
-        except KeyboardInterrupt:
-            self._interrupt(pool, req)
-            raise
+        done = pool.wait_until(req.finished, deadline, self.tick)  # KeyboardInterrupt: see _call
         if not done:
             killed = self._interrupt(pool, req)
             replies = {r: cell_reply(r, h) for r, (h, _) in sorted(req.replies.items())}
@@ -208,6 +216,7 @@ class Session:
     def _interrupt(self, pool: WorkerPool, req: Request) -> list:
         """SIGINT the ranks still on `req` (again each second); SIGKILL after INTERRUPT_GRACE_S or
         a second KeyboardInterrupt. Returns the ranks killed."""
+        pool.cancel_unsent(req)
         deadline = time.monotonic() + INTERRUPT_GRACE_S
         try:
             while req.waiting() and time.monotonic() < deadline:
@@ -227,6 +236,25 @@ class Session:
         except KeyboardInterrupt:
             pass
         return killed
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold a SIGINT that arrives inside the block, and deliver it when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # SIGINT is only ever handled on the main thread
+        return
+    held: list = []
+    previous = signal.signal(signal.SIGINT, lambda *args: held.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(*held[0])  # Python's default handler raises KeyboardInterrupt here
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
 
 
 def _dumps(values: dict) -> bytes:

@@ -24,9 +24,11 @@ class Request:
         self.ranks = ranks
         self.replies: dict = {}  # rank -> (header, payload)
         self.dead: set = set()
+        self.sent: set = set()  # ranks the request was written to
+        self.cancelled: set = set()  # ranks it never reached (an interrupt came while sending)
 
     def waiting(self) -> list:
-        return [r for r in self.ranks if r not in self.replies and r not in self.dead]
+        return [r for r in self.ranks if r not in self.replies and r not in self.dead and r not in self.cancelled]
 
     def finished(self) -> bool:
         return bool(self.dead) or not self.waiting()
@@ -108,18 +110,26 @@ class WorkerPool:
             self.listener = None
 
     # -- requests -----------------------------------------------------------------------------
-    def submit(self, rid: int, targets: list, header: dict, payload: bytes = b"") -> Request:
-        req = Request(rid, targets)
+    def submit(self, req: Request, header: dict, payload: bytes = b"") -> None:
         with self.cond:
-            self.pending[rid] = req
-            for r in targets:
-                self.workers[r].busy.add(rid)
-        for r in targets:
+            self.pending[req.id] = req
+            for r in req.ranks:
+                self.workers[r].busy.add(req.id)
+        for r in req.ranks:
             try:
-                self.send(self.workers[r], {**header, "id": rid}, payload)
+                self.send(self.workers[r], {**header, "id": req.id}, payload)
             except OSError:
                 pass  # the worker is gone: its exit is seen, and reported through the request
-        return req
+            req.sent.add(r)
+
+    def cancel_unsent(self, req: Request) -> None:
+        """An interrupt while `req` was being sent: the ranks it never reached are not waited for."""
+        with self.cond:
+            for r in req.ranks:
+                if r not in req.sent:
+                    req.cancelled.add(r)
+                    self.workers[r].busy.discard(req.id)
+            self.cond.notify_all()
 
     def forget(self, req: Request) -> None:
         with self.cond:

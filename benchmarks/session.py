@@ -156,8 +156,6 @@ def _descendants() -> list:
 def _ipp_stop(cluster, rc, procs: list) -> dict:
     """Stop the cluster; wait for every process it had (controller, nannies, engines) to exit;
     SIGKILL by pid whatever is still there after CLUSTER_EXIT_WAIT_S. Says what it did."""
-    import psutil
-
     start = time.perf_counter()
     try:
         rc.close()
@@ -171,15 +169,7 @@ def _ipp_stop(cluster, rc, procs: list) -> dict:
     stopped = time.perf_counter() - start
 
     def alive() -> list:
-        left = []
-        for pid, created, cmd in procs:
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
-                    left.append((pid, created, cmd))
-            except psutil.Error:
-                pass
-        return left
+        return _alive(procs)
 
     deadline = time.monotonic() + CLUSTER_EXIT_WAIT_S
     while alive() and time.monotonic() < deadline:

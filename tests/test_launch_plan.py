@@ -239,3 +239,15 @@ def test_after_cuda_initialisation_one_process_still_runs_here(monkeypatch):
     assert make_plan(num_processes=1, use_port="auto", start_method="fork").num_processes == 1
     assert make_plan(num_processes=2, use_port="auto", max_restarts=1).engine == "elastic"
     assert notebook_launcher(os.getpid, num_processes=1) == [os.getpid()]
+
+
+@pytest.mark.parametrize("endpoint", ["10.0.0.1:port", ":29400", "node0:70000", "node 0:29400", "node0:"])
+def test_a_malformed_rendezvous_endpoint_is_named_before_anything_starts(endpoint):
+    with pytest.raises(LaunchConfigError, match=rf"rdzv_endpoint={endpoint!r} is not 'host:port'"):
+        make_plan(num_processes=1, num_nodes=2, rdzv_backend="c10d", rdzv_endpoint=endpoint, use_port="auto")
+
+
+@pytest.mark.parametrize("endpoint", ["10.0.0.1:29400", "node0", "[::1]:29400"])
+def test_a_rendezvous_endpoint_is_host_and_optional_port(endpoint):
+    plan = make_plan(num_processes=1, num_nodes=2, rdzv_backend="c10d", rdzv_endpoint=endpoint, use_port="auto")
+    assert plan.rdzv_endpoint == endpoint

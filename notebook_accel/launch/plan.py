@@ -152,6 +152,8 @@ def make_plan(
     if engine == "elastic" and rdzv_backend == "static" and num_nodes > 1 and not master_addr:
         raise LaunchConfigError("num_nodes > 1 with rdzv_backend='static' needs master_addr (the node-0 address).")
 
+    if rdzv_endpoint:
+        _check_endpoint(rdzv_endpoint)
     port = _resolve_port(use_port, master_addr, check_free=(engine == "local" and num_nodes == 1))
     threads = _threads_per_process(num_processes, start_method, notes)
 
@@ -288,6 +290,18 @@ def _check_fork_is_safe(cuda_matters: bool = True) -> None:
             "CUDA is already initialised in this process, and forked children cannot use it (CUDA is not "
             "fork-safe). Use start_method='spawn' (or 'forkserver'), or restart the kernel and keep CUDA "
             "calls inside the launched function."
+        )
+
+
+def _check_endpoint(endpoint) -> None:
+    """'host:port' (or 'host', torch then uses its default port); every node must pass the same."""
+    text = str(endpoint).strip()
+    host, colon, port = text.rpartition(":") if ":" in text else (text, "", "")
+    good_port = (not colon and not port) or (port.isdigit() and 1 <= int(port) <= 65535)
+    if not host or not good_port or " " in text:
+        raise LaunchConfigError(
+            f"rdzv_endpoint={endpoint!r} is not 'host:port' (for example '10.0.0.1:29400'): pass node 0's "
+            "address and a port every node can reach."
         )
 
 

@@ -523,11 +523,8 @@ class Accelerator:
         return save_state(self, output_dir, safe_serialization=safe_serialization)
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs) -> None:
-        """Restore everything save_state wrote; with automatic naming and no input_dir, the latest.
-
-        A loader comes back inside its epoch only with use_stateful_dataloader=True; otherwise it
-        replays the saved epoch from its first batch, for skip_first_batches to skip (accelerate's contract).
-        """
+        """Restore everything save_state wrote (no input_dir + automatic naming: the latest). Loaders
+        resume mid-epoch only with use_stateful_dataloader=True, else replay the epoch (see README)."""
         from .checkpointing import load_state
 
         load_state(self, input_dir, map_location=kwargs.get("map_location", "cpu"), strict=kwargs.get("strict", True))

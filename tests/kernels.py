@@ -52,15 +52,15 @@ def run(kc, code: str, timeout: float = 60.0, on_message=None) -> dict:
             elif kind == "comm_msg" and content["data"].get("method") == "update":
                 seen["comms"].setdefault(content["comm_id"], {}).update(content["data"].get("state", {}))
             elif kind == "status" and content["execution_state"] == "idle":
-                seen["reply"] = _reply_to(kc, msg_id)
+                seen["reply"] = reply_to(kc, msg_id)
                 return seen
         if on_message is not None:
             on_message(seen)
     raise AssertionError(f"cell did not finish in {timeout} s: {seen}")
 
 
-def _reply_to(kc, msg_id: str) -> dict:
-    # wait_for_ready may leave kernel_info replies on the shell channel: skip anything not ours.
+def reply_to(kc, msg_id: str) -> dict:
+    """The shell reply to `msg_id`; wait_for_ready may leave kernel_info replies behind: skipped."""
     deadline = time.monotonic() + 10.0
     while True:
         msg = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))

@@ -7,7 +7,7 @@ import time
 import uuid
 
 import pytest
-from kernels import run
+from kernels import reply_to, run
 
 # %load_ext registers the comm target; launches then feed open comms.
 SETUP = "%load_ext notebook_accel\nfrom notebook_accel.jupyter import comm as _nacc_comm"
@@ -39,15 +39,6 @@ def open_comm(kc, timeout: float = 30.0) -> tuple:
 
 def send(kc, comm_id: str, data: dict) -> None:
     kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data}))
-
-
-def reply_to(kc, msg_id: str) -> dict:
-    """The shell reply to `msg_id`, skipping stale ones (wait_for_ready may leave a second
-    kernel_info_reply behind on a slow machine)."""
-    while True:
-        msg = kc.get_shell_msg(timeout=10)
-        if msg["parent_header"].get("msg_id") == msg_id:
-            return msg["content"]
 
 
 def execute(kc, code: str, comm_id: str, timeout: float = 90.0, on_data=None) -> tuple:

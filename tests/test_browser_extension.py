@@ -59,6 +59,14 @@ def wait_status(page, pattern: str, timeout: float = 60.0) -> str:
     return status_text(page)
 
 
+def open_sidebar(page):
+    """Click the status bar item; returns the sidebar once it is visible."""
+    page.locator(STATUS).click()
+    sidebar = page.locator("#notebook-accel-panel")
+    sidebar.wait_for(state="visible", timeout=10_000)
+    return sidebar
+
+
 def run_cell(page, index: int) -> None:
     page.locator(".jp-NotebookPanel .jp-Cell").nth(index).locator(".jp-InputPrompt").click()
     page.keyboard.press("Shift+Enter")
@@ -86,9 +94,7 @@ def test_status_bar_sidebar_and_run_on_n_processes(jupyter_lab, browser_page, tm
     assert re.search(r"finished in \d+\.\d s", wait_status(page, "finished in", timeout=90))
     wait_for_output(page, "launch done on 1")
 
-    page.locator(STATUS).click()  # opens the sidebar
-    sidebar = page.locator("#notebook-accel-panel")
-    sidebar.wait_for(state="visible", timeout=10_000)
+    sidebar = open_sidebar(page)
     launch = sidebar.locator(".nacc-x-launch").first
     assert launch.get_attribute("data-state") == "done"
     assert launch.locator('.nacc-x-rank[data-state="done"]').count() == 2
@@ -163,9 +169,7 @@ def test_session_command_restart_and_stop_in_the_sidebar(jupyter_lab, browser_pa
     open_notebook(page, jupyter_lab, "session.ipynb")
     run_cell(page, 0)
     wait_status(page, SUMMARY)
-    page.locator(STATUS).click()
-    sidebar = page.locator(SIDEBAR)
-    sidebar.wait_for(state="visible", timeout=10_000)
+    sidebar = open_sidebar(page)
     assert "No session running" in sidebar.inner_text()
 
     # The palette's "Start / stop a session" starts 2 workers; the sidebar and status bar show them.
@@ -211,9 +215,7 @@ def test_a_kernel_without_the_extension_stays_not_connected(jupyter_lab, browser
     run_cell(page, 0)
     run_cell(page, 1)
     wait_for_output(page, "42")
-    page.locator(STATUS).click()
-    sidebar = page.locator(SIDEBAR)
-    sidebar.wait_for(state="visible", timeout=10_000)
+    sidebar = open_sidebar(page)
     assert "Not connected" in sidebar.inner_text()
     sidebar.locator('[data-action="connect"]').click()  # the kernel has no such target: still nothing
     page.wait_for_timeout(2000)
@@ -244,9 +246,7 @@ def test_dark_theme_sidebar_and_status_bar(jupyter_lab, browser_page, tmp_path):
     try:
         page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
         page.wait_for_timeout(500)  # the theme's CSS applied
-        page.locator(STATUS).click()
-        sidebar = page.locator(SIDEBAR)
-        sidebar.wait_for(state="visible", timeout=10_000)
+        sidebar = open_sidebar(page)
         page.locator(LIVE_SESSION).wait_for(timeout=30_000)
         colours = page.evaluate(
             """() => {
@@ -316,9 +316,7 @@ def test_stop_button_and_the_num_processes_setting(jupyter_lab, browser_page, tm
     open_notebook(page, jupyter_lab, "stop.ipynb")
     run_cell(page, 0)
     wait_status(page, SUMMARY)
-    page.locator(STATUS).click()
-    sidebar = page.locator(SIDEBAR)
-    sidebar.wait_for(state="visible", timeout=10_000)
+    sidebar = open_sidebar(page)
 
     # The sidebar's Stop button stops a running launch: ranks stopped, the cell ends in CellStoppedError.
     run_cell(page, 1)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test browser lab bench lint clean labextension labextension-dev test-extension
+.PHONY: demo test browser lab bench lint layers clean labextension labextension-dev test-extension
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,8 +15,12 @@ $(STAMP): pyproject.toml requirements-dev.txt
 demo: $(STAMP)
 	$(BIN)/python -m notebook_accel.demo notebooks/quickstart.ipynb
 
-test: $(STAMP) browser labextension-dev test-extension
+test: $(STAMP) browser labextension-dev test-extension layers
 	$(BIN)/python -m pytest -q tests
+
+# The layer map of ARCHITECTURE.md, as import-linter contracts in pyproject.toml.
+layers: $(STAMP)
+	$(BIN)/lint-imports
 
 # The JupyterLab extension: TypeScript in extension/, built (node + npm) into notebook_accel/labextension/.
 extension/node_modules/.installed: extension/package.json extension/package-lock.json

@@ -304,7 +304,7 @@ assert sorted(_view.apply_sync(_engine_join, _port, ipp.Reference("rank"), {WORL
 # Untimed, after the blocks: the same calls timed inside the kernel, each layer of the two paths.
 KERNEL_BREAKDOWN = """\
 import json as _json, os as _os, statistics as _st, time as _time
-from notebook_accel.jupyter import session as _nas
+from notebook_accel.jupyter import kernel_session as _nas
 _ks, _sh = _nas.current(), get_ipython()
 def _times(call, n):
     for _ in range(5):

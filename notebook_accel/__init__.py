@@ -7,6 +7,7 @@ and never imports IPython or ipywidgets (a worker process or a plain script has 
 from __future__ import annotations
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -57,6 +58,12 @@ def __getattr__(name: str):
         raise
     globals()[name] = value
     return value
+
+
+if "ipykernel" in sys.modules:  # in a kernel: launches get the live panel and `Cell In[N]` labels
+    from .jupyter import register_frontend
+
+    register_frontend()
 
 
 def _jupyter_labextension_paths():

@@ -41,7 +41,9 @@ def _kernel_manager_class(python: Optional[str] = None):
     return ThisPythonKernelManager
 
 
-def run_notebook(path: str, timeout: int = CELL_TIMEOUT_S, widgets: bool = False, python: Optional[str] = None):
+def run_notebook(
+    path: str, timeout: int = CELL_TIMEOUT_S, widgets: bool = False, python: Optional[str] = None
+):
     """Execute the notebook at `path` (cwd: its folder). Returns (notebook, error or None);
     on a failing cell the notebook holds the outputs up to and including that cell.
 

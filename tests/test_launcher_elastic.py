@@ -145,7 +145,8 @@ def test_elastic_timeout_stops_the_workers_and_raises(tmp_path, no_new_children)
 def test_a_missing_node_is_announced_then_named_when_the_wait_ends(monkeypatch, backend, node_rank, no_new_children):
     """Node 0 alone (or node 1 with no node 0 to reach): a notice says what it waits for, and after the
     rendezvous wait a NodesMissingError says what to do, instead of torch's bare timeout."""
-    from notebook_accel.launch import LaunchFinished, LaunchNotice, NodesMissingError, elastic
+    from notebook_accel.launch import LaunchFinished, LaunchNotice, NodesMissingError
+    from notebook_accel.launch.starters import elastic
 
     monkeypatch.setattr(elastic, "NODE_WAIT_NOTICE_S", 1.0)
     sink, port = ListSink(), free_port()

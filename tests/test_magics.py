@@ -17,7 +17,7 @@ from IPython.core.interactiveshell import InteractiveShellABC
 from nbclient import NotebookClient
 
 import notebook_accel
-from notebook_accel.jupyter import cells as cell_jobs
+from notebook_accel.jupyter import cell_jobs
 from notebook_accel.jupyter.magics import AccelerateMagics
 from notebook_accel.launch import launcher, make_plan
 
@@ -254,7 +254,7 @@ def test_failing_rank_fails_the_cell_with_its_cell_line_and_the_kernel_goes_on(c
     assert error is not None and error.ename == "CellFailedError"
     assert "rank 1 raised ValueError: bad on rank 1" in error.evalue
     assert "Cell In[" in error.evalue and 'raise ValueError("bad on rank 1")' in error.evalue
-    assert "cells.py" not in error.evalue and "worker.py" not in error.evalue  # no launcher frames
+    assert "cell_jobs.py" not in error.evalue and "child.py" not in error.evalue  # no launcher frames
     assert "still alive" in _text(cells["after_fail"])
     assert not list(cells["_folder"].glob("late-*"))  # rank 0 was stopped, not left to finish
 

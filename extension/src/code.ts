@@ -1,6 +1,6 @@
 // The Python the commands send. A JSON string literal is also a valid Python string literal.
 
-const SESSION = "__import__('notebook_accel.jupyter.session', fromlist=['current']).current()";
+const SESSION = "__import__('notebook_accel.jupyter.kernel_session', fromlist=['current']).current()";
 
 /** Run `source` through %%accelerate without editing the cell; a running session keeps its workers. */
 export function runCellCode(source: string, numProcesses: number): string {

@@ -36,11 +36,45 @@ def widgets_enabled() -> bool:
     return True
 
 
+def launch_sinks(show_after: float = 0.0):
+    """The sinks a launch in this process gets by default (see launch/frontend.py): in a kernel,
+    the live panel (or rank-prefixed text with NOTEBOOK_ACCEL_WIDGETS=0) plus the JupyterLab
+    extension's sink while it is connected; elsewhere None, the console's default."""
+    if "ipykernel" not in sys.modules:  # cheap test first: never import IPython outside a kernel
+        return None
+    from .comm import active_sinks
+
+    if widgets_enabled():
+        from .panel import LaunchPanel
+
+        return [LaunchPanel(show_after=show_after), *active_sinks()]
+    from ..launch.sinks import ConsoleSink
+
+    return [ConsoleSink(), *active_sinks()]
+
+
+def label_cells(text: str) -> str:
+    """A traceback's notebook files named as IPython names them, `Cell In[N]`, in a kernel."""
+    if "ipykernel" not in sys.modules:
+        return text
+    from .cell_jobs import relabel_cells
+
+    return relabel_cells(text)
+
+
+def register_frontend() -> None:
+    """Lend launches this layer's sinks and cell labels; cheap (imports neither torch nor IPython)."""
+    from ..launch import frontend
+
+    frontend.register(sinks=launch_sinks, traceback_labeller=label_cells)
+
+
 def load_ipython_extension(ipython) -> None:
     """`%load_ext notebook_accel`: register %accelerate and %%accelerate."""
     from .comm import register_comm_target
     from .magics import AccelerateMagics
 
+    register_frontend()
     ipython.register_magics(AccelerateMagics)
     register_comm_target(ipython)  # the JupyterLab extension's link to this kernel
 

@@ -4,7 +4,7 @@ When the front end opens a comm, the kernel answers with a hello (hardware repor
 and the config file's launch defaults: {"config": {"file", "num_processes", "mixed_precision"}},
 each null without a config file, so "Run cell on N processes" can default to the config's N);
 then every launch's events go to all open comms through `CommSink`, and every change of the
-kernel's interactive session (start, restart, stop; jupyter/session.py calls `notify_session`) goes
+kernel's interactive session (start, restart, stop; jupyter/kernel_session.py calls `notify_session`) goes
 as {"type": "session", "id", "state", "workers", "start_method", "ranks": [{rank, pid, state, device}]}.
 
 The front end may send {"type": "stop"} (stop the running launch), {"type": "refresh"} (a new
@@ -24,6 +24,7 @@ from typing import Optional
 
 from ..launch import events as ev
 from ..launch.sinks import Sink
+from .launch_model import LaunchModel
 
 TARGET = "notebook_accel"
 STOP_REASON = "stopped from the JupyterLab extension"
@@ -67,18 +68,24 @@ def _cell_ended(result=None) -> None:
 
 
 def active_sinks() -> list:
-    """[CommSink()] while a front end listens, else []: for launch.launcher.default_sinks()."""
+    """[CommSink()] while a front end listens, else []: for the sinks jupyter/ registers with launch."""
     with _lock:
         return [CommSink()] if _comms else []
 
 
 def hello() -> dict:
-    message = {"type": "hello", "version": _version(), "hardware": None, "preview": None, "session": None,
-               "config": launch_defaults()}  # fmt: skip
+    message = {
+        "type": "hello",
+        "version": _version(),
+        "hardware": None,
+        "preview": None,
+        "session": None,
+        "config": launch_defaults(),
+    }
     if message["config"].get("error"):
         message["config_error"] = message["config"].pop("error")
     try:
-        from . import session
+        from . import kernel_session as session
 
         ks = session.current()
         if ks is not None:
@@ -92,7 +99,7 @@ def hello() -> dict:
     except Exception as exc:  # a broken probe still says hello
         message["hardware_error"] = str(exc) or type(exc).__name__
     try:
-        from .hardware_panel import launch_preview  # needs ipywidgets
+        from ..launch.plan import launch_preview
 
         preview = launch_preview()
         message["preview"] = {
@@ -119,8 +126,11 @@ def launch_defaults() -> dict:
     if found is None:
         return out
     defaults = found.launch_defaults()
-    return {"file": found.path, "num_processes": defaults.get("num_processes"),
-            "mixed_precision": defaults.get("mixed_precision")}  # fmt: skip
+    return {
+        "file": found.path,
+        "num_processes": defaults.get("num_processes"),
+        "mixed_precision": defaults.get("mixed_precision"),
+    }
 
 
 def _version() -> str:
@@ -182,8 +192,10 @@ def session_message(ks, state: Optional[str] = None) -> dict:
     started = ks.session.started
     ranks = []
     if started:
-        ranks = [{"rank": r["rank"], "pid": r["pid"], "state": r["state"], "device": r["device"]}
-                 for r in ks.session.status()]  # fmt: skip
+        ranks = [
+            {"rank": r["rank"], "pid": r["pid"], "state": r["state"], "device": r["device"]}
+            for r in ks.session.status()
+        ]
     if not ranks:  # stopped, or its start failed: the workers it had, stopped
         ranks = [dict(r, state="stopped") for r in _last_ranks.get(ks.id, [])]
     if state is None:
@@ -193,9 +205,14 @@ def session_message(ks, state: Optional[str] = None) -> dict:
     elif state == "stopped":
         _last_ranks.pop(ks.id, None)
     return {
-        "type": "session", "id": ks.id, "state": state, "workers": ks.session.num_processes or len(ranks),
-        "start_method": ks.session.start_method, "ranks": ranks, "time": time.time(),
-    }  # fmt: skip
+        "type": "session",
+        "id": ks.id,
+        "state": state,
+        "workers": ks.session.num_processes or len(ranks),
+        "start_method": ks.session.start_method,
+        "ranks": ranks,
+        "time": time.time(),
+    }
 
 
 def notify_session(ks, state: Optional[str] = None) -> None:
@@ -218,7 +235,7 @@ def notice(text: str, level: str = "info") -> None:
 def _session_request(kind: str) -> None:
     """Restart or stop the kernel's session for the sidebar; refused while a cell runs (it may be
     using the workers, and the session is not made for two threads at once)."""
-    from . import session
+    from . import kernel_session as session
 
     what = "restart the session" if kind == "restart" else "stop the session"
     if not _session_op.acquire(blocking=False):
@@ -239,7 +256,7 @@ def _session_request(kind: str) -> None:
             return
         notify_session(ks, "restarting")
         try:
-            ks.session.restart()  # jupyter/session.py sends the new workers' message
+            ks.session.restart()  # kernel_session.py sends the new workers' message
         except Exception as exc:
             notice(f"session restart failed: {exc}", "error")
             return
@@ -266,17 +283,16 @@ def _broadcast(message: dict) -> None:
 class CommSink(Sink):
     """Forwards one launch's events to the open comms as {"type": "event", "launch": id, "event": name, ...}.
 
-    Output lines are batched per rank and sent at most `rate` times a second; a batch keeps only the
-    last `max_lines` lines per rank (and says how many it dropped), so a chatty rank can't flood the page.
+    Output is folded into a LaunchModel (the panel's) and sent as batches per rank, at most `rate`
+    times a second: the whole lines added since the last batch, newest `max_lines` kept (the batch
+    says how many it dropped), then a redraw in progress (a progress bar) as one transient line.
     """
 
     def __init__(self, rate: float = 10.0, max_lines: int = 20):
         self.launch = next(_launch_ids)
         self.interval = 1.0 / rate
-        self.max_lines = max_lines
-        self._lock = threading.Lock()
-        self._pending: dict = {}  # rank -> [[stream, text, transient], ...]
-        self._dropped: dict = {}
+        self.model = LaunchModel(max_lines)
+        self._sent: dict = {}  # rank -> (lines counted so far, the transient lines last sent)
         self._control = None
         self._send_lock = threading.RLock()
         self._stop = threading.Event()
@@ -287,10 +303,9 @@ class CommSink(Sink):
         self._control = _control = control
 
     def handle(self, event) -> None:
+        self.model.handle(event)
         if isinstance(event, ev.RankOutput):
-            with self._lock:
-                self._add_line(event)
-                self._start_flusher()
+            self._start_flusher()
             return
         fields = dataclasses.asdict(event)
         if isinstance(event, ev.RankFailed):
@@ -299,29 +314,35 @@ class CommSink(Sink):
             self.flush()
             self._send(type(event).__name__, fields)
 
-    def _add_line(self, e: ev.RankOutput) -> None:
-        lines = self._pending.setdefault(e.rank, [])
-        if lines and lines[-1][2] and lines[-1][0] == e.stream:
-            lines.pop()  # a progress bar's redraw replaces its previous state
-        lines.append([e.stream, e.text, e.transient])
-        if len(lines) > self.max_lines:
-            del lines[0]
-            self._dropped[e.rank] = self._dropped.get(e.rank, 0) + 1
-
     def flush(self) -> None:
         # _send_lock spans take-and-send, so the flusher thread cannot send lines after an event
-        # that handle() sent meanwhile; _lock alone keeps handle()'s RankOutput path short.
+        # that handle() sent meanwhile; the model's lock alone keeps handle()'s output path short.
         with self._send_lock:
-            with self._lock:
-                pending, dropped = self._pending, self._dropped
-                self._pending, self._dropped = {}, {}
-            for rank, lines in sorted(pending.items()):
-                self._send("RankOutput", {"rank": rank, "lines": lines, "dropped": dropped.get(rank, 0)})
+            batches = []
+            with self.model.lock:
+                for r in self.model.sorted_ranks():
+                    seen, shown = self._sent.get(r.rank, (0, ()))
+                    if seen > r.log.added:  # a new launch started over
+                        seen, shown = 0, ()
+                    items, dropped = r.log.since(seen)
+                    current = tuple(sorted(r.current.items()))
+                    if not items and not dropped and current == shown:
+                        continue
+                    self._sent[r.rank] = (r.log.added, current)
+                    lines = [[stream, text, False] for stream, text in items]
+                    lines += [[stream, text, True] for stream, text in current if (stream, text) not in shown]
+                    batches.append((r.rank, lines, dropped))
+            for rank, lines, dropped in batches:
+                self._send("RankOutput", {"rank": rank, "lines": lines, "dropped": dropped})
 
     def _start_flusher(self) -> None:
         if self._thread is None and not self._stop.is_set():
-            self._thread = threading.Thread(target=self._flush_loop, name="notebook_accel-comm", daemon=True)
-            self._thread.start()
+            with self._send_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._flush_loop, name="notebook_accel-comm", daemon=True
+                    )
+                    self._thread.start()
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(self.interval):

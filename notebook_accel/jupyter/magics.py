@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..launch.errors import LaunchConfigError
 from ..session.errors import SessionError
-from . import cells
+from . import cell_jobs
 
 START_METHODS = ("fork", "spawn", "forkserver")
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -117,7 +117,7 @@ class AccelerateMagics(Magics):
             args = cell_parser().parse_args(shlex.split(line))
         except ValueError as exc:  # shlex: an unclosed quote
             raise UsageError(f"%%accelerate: {exc}") from None
-        from . import session
+        from . import kernel_session as session
 
         running = session.current()
         if running is not None:
@@ -138,24 +138,24 @@ class AccelerateMagics(Magics):
         if args.ranks is not None:
             raise UsageError("%%accelerate: --ranks needs a running session (%accelerate start -n N)")
         shell = self.shell
-        number = cells.cell_number(shell)
+        number = cell_jobs.cell_number(shell)
         filename = shell.compile.cache(cell, number)  # IPython's own name for this cell's code
         label = f"Cell In[{number}]"
         kwargs = launch_kwargs(args)
         travels = args.start_method != "fork" or (args.max_restarts or 0) > 0 or (args.num_nodes or 1) > 1
         if travels:  # the cell and the names it reads are pickled; fail here, naming the culprit
-            namespace = cells.travelling_namespace(cell, filename, shell.user_ns)
-            job = cells.CellJob(cell, filename, args.out, namespace)
+            namespace = cell_jobs.travelling_namespace(cell, filename, shell.user_ns)
+            job = cell_jobs.CellJob(cell, filename, args.out, namespace)
             function, fargs = job, ()
         else:  # a forked rank runs the cell in its copy of the notebook's namespace
-            job = cells.CellJob(cell, filename, args.out)
+            job = cell_jobs.CellJob(cell, filename, args.out)
             function, fargs = job, (shell.user_ns,)
         try:
             results = notebook_launcher(function, fargs, **kwargs)
         except LaunchConfigError as exc:
             raise UsageError(f"%%accelerate: {exc}") from None
         except Exception as exc:
-            shown = cells.shorten(exc, filename, label)
+            shown = cell_jobs.shorten(exc, filename, label)
             if shown is exc:
                 raise
             raise shown from None
@@ -209,7 +209,7 @@ class AccelerateMagics(Magics):
 
     # -- interactive sessions ------------------------------------------------------------------
     def _cmd_start(self, rest: list):
-        from . import session
+        from . import kernel_session as session
 
         args = start_parser().parse_args(rest)
         try:
@@ -222,7 +222,7 @@ class AccelerateMagics(Magics):
         )
 
     def _cmd_stop(self, rest: list):
-        from . import session
+        from . import kernel_session as session
 
         print("session stopped" if session.stop() else "no session is running")
 
@@ -232,7 +232,7 @@ class AccelerateMagics(Magics):
         print(f"session restarted: {ks.world} workers, fresh namespaces")
 
     def _cmd_status(self, rest: list):
-        from . import session
+        from . import kernel_session as session
 
         ks = session.current()
         if ks is None:
@@ -274,7 +274,7 @@ class AccelerateMagics(Magics):
         self.shell.user_ns[names[0]] = value
 
     def _cmd_auto(self, rest: list):
-        from . import session
+        from . import kernel_session as session
 
         if rest not in (["on"], ["off"]):
             raise UsageError("%accelerate auto: on or off")
@@ -284,7 +284,7 @@ class AccelerateMagics(Magics):
         print("auto mode on: every cell runs on the workers" if rest == ["on"] else "auto mode off")
 
     def _session(self, what: str):
-        from . import session
+        from . import kernel_session as session
 
         ks = session.current()
         if ks is None:

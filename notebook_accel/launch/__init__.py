@@ -1,30 +1,48 @@
-"""Launch a function on N processes: plan -> start -> worker -> events -> sinks."""
+"""Launch a function on N processes: plan -> start -> worker -> channel -> events -> sinks.
 
-from .control import LaunchControl
-from .errors import (
-    LaunchConfigError,
-    LaunchFailedError,
-    LaunchStoppedError,
-    LaunchTimeoutError,
-    NodesMissingError,
-    UnpicklableError,
-)
-from .events import (
-    LaunchFinished,
-    LaunchNotice,
-    LaunchStarted,
-    RankFailed,
-    RankFinished,
-    RankOutput,
-    RankStarted,
-    RankStopped,
-)
-from .launcher import debug_launcher, notebook_launcher
-from .plan import LaunchPlan, make_plan
-from .sinks import ConsoleSink, ListSink, Sink
+Names load lazily, so a front end can register with `launch.frontend` without importing torch.
+"""
 
-__all__ = [
-    "ConsoleSink", "LaunchConfigError", "LaunchControl", "LaunchStoppedError", "LaunchTimeoutError", "LaunchFailedError", "LaunchFinished", "LaunchNotice", "LaunchPlan",
-    "LaunchStarted", "ListSink", "NodesMissingError", "RankFailed", "RankFinished", "RankOutput", "RankStarted", "RankStopped", "Sink",
-    "UnpicklableError", "debug_launcher", "make_plan", "notebook_launcher",
-]  # fmt: skip
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LaunchControl": "control",
+    "LaunchConfigError": "errors",
+    "LaunchFailedError": "errors",
+    "LaunchStoppedError": "errors",
+    "LaunchTimeoutError": "errors",
+    "NodesMissingError": "errors",
+    "UnpicklableError": "errors",
+    "LaunchFinished": "events",
+    "LaunchNotice": "events",
+    "LaunchStarted": "events",
+    "RankFailed": "events",
+    "RankFinished": "events",
+    "RankOutput": "events",
+    "RankStarted": "events",
+    "RankStopped": "events",
+    "debug_launcher": "launcher",
+    "notebook_launcher": "launcher",
+    "LaunchPlan": "plan",
+    "make_plan": "plan",
+    "ConsoleSink": "sinks",
+    "ListSink": "sinks",
+    "Sink": "sinks",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -6,15 +6,13 @@ from __future__ import annotations
 import pickle
 import selectors
 import signal
-import struct
 import time
 from typing import Optional
 
 from . import events as ev
+from .channel import RankChannel, recv_ready
 from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, failure_from_exit
-from .lines import LineSplitter
 
-_HEADER = struct.Struct("!Q")
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_GRACE_S = 2.0  # after a rank exits, wait this long for a grandchild that still holds its stdout
 
@@ -23,11 +21,7 @@ class _Rank:
     def __init__(self, proc, rank: int):
         self.proc = proc
         self.rank = rank
-        self.lines = {"stdout": LineSplitter(), "stderr": LineSplitter()}
-        self.ctrl_buf = b""
-        self.open = 3
-        self.result: Optional[bytes] = None
-        self.error: Optional[dict] = None
+        self.channel = RankChannel(rank)
         self.exited_at: Optional[float] = None
         self.done = False
         self.started = time.monotonic()
@@ -75,7 +69,7 @@ class Monitor:
                 key=lambda f: _is_peer_fallout({"exc_type": f.exc_type or "", "message": f.message}),
             )
             raise LaunchFailedError(ordered)
-        return [pickle.loads(r.result) for r in self.ranks]
+        return [pickle.loads(r.channel.result) for r in self.ranks]
 
     def _step(self) -> None:
         needs_polling = any(r.proc.exit_fd is None and not r.done for r in self.ranks)
@@ -91,10 +85,8 @@ class Monitor:
             elif kind == "exit":
                 self.sel.unregister(key.fileobj)
                 r.proc.poll()
-            elif kind == "ctrl":
-                self._read_ctrl(r, key.fileobj)
             else:
-                self._read_output(r, key.fileobj, kind)
+                self._read(r, key.fileobj, kind)
         now = time.monotonic()
         if self.control is not None and not self.stopped and self.control.check(now):
             self.stopped = self.control.reason
@@ -106,51 +98,14 @@ class Monitor:
             self._signal_all(signal.SIGKILL)
             self.killed = True
 
-    def _recv(self, r: _Rank, sock, size: int) -> Optional[bytes]:
-        """Bytes read; b"" at end of stream (the channel is then closed); None when nothing is ready."""
-        try:
-            data = sock.recv(size)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except ConnectionError:
-            data = b""
-        if not data:
-            self.sel.unregister(sock)
-            r.open -= 1
-        return data
-
-    def _read_output(self, r: _Rank, sock, stream: str) -> None:
-        data = self._recv(r, sock, 1 << 16)
+    def _read(self, r: _Rank, sock, stream: str) -> None:
+        data = recv_ready(sock, 1 << 20 if stream == "ctrl" else 1 << 16)
         if data is None:
             return
-        segments = r.lines[stream].feed(data) if data else r.lines[stream].finish()
-        self._emit(r, stream, segments)
-
-    def _emit(self, r: _Rank, stream: str, segments: list) -> None:
-        for text, transient in segments:
-            self.sink.handle(ev.RankOutput(r.rank, stream, text, transient))
-
-    def _read_ctrl(self, r: _Rank, sock) -> None:
-        data = self._recv(r, sock, 1 << 20)
         if not data:
-            return
-        r.ctrl_buf += data
-        while len(r.ctrl_buf) >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(r.ctrl_buf)
-            if len(r.ctrl_buf) < _HEADER.size + size:
-                break
-            message = pickle.loads(r.ctrl_buf[_HEADER.size : _HEADER.size + size])
-            r.ctrl_buf = r.ctrl_buf[_HEADER.size + size :]
-            self._on_message(r, message)
-
-    def _on_message(self, r: _Rank, message) -> None:
-        kind = message[0]
-        if kind == "started":
-            self.sink.handle(ev.RankStarted(r.rank, message[1]))
-        elif kind == "result":
-            r.result = message[1]
-        elif kind == "error":
-            r.error = message[1]
+            self.sel.unregister(sock)
+        for event in r.channel.feed(stream, data):
+            self.sink.handle(event)
 
     # -- completion and failure ---------------------------------------------------------------
     def _maybe_finish(self, r: _Rank, now: float) -> None:
@@ -159,7 +114,7 @@ class Monitor:
             return
         if r.exited_at is None:
             r.exited_at = now
-        if r.open > 0 and now - r.exited_at < DRAIN_GRACE_S:
+        if r.channel.open and now - r.exited_at < DRAIN_GRACE_S:
             return
         r.done = True
         for sock in (r.proc.out, r.proc.err, r.proc.ctrl):
@@ -167,23 +122,24 @@ class Monitor:
                 self.sel.unregister(sock)
             except (KeyError, ValueError):
                 pass
-        for stream in ("stdout", "stderr"):
-            self._emit(r, stream, r.lines[stream].finish())
-        if r.result is not None and code == 0:
+        for event in r.channel.flush():
+            self.sink.handle(event)
+        error = r.channel.error
+        if r.channel.result is not None and code == 0:
             self.sink.handle(ev.RankFinished(r.rank, now - r.started))
             return
         if self.stopped:
             # Ended from outside: whatever the rank said while dying is not its failure.
             self.sink.handle(ev.RankStopped(r.rank, self.stopped))
             return
-        if self.stop_sent_at is not None and r.error is None:
+        if self.stop_sent_at is not None and error is None:
             self.sink.handle(ev.RankStopped(r.rank, "stopped after another rank failed"))
             return
-        if r.error is not None:
-            failure = ev.RankFailed(r.rank, r.proc.pid, code, **r.error)
+        if error is not None:
+            failure = ev.RankFailed(r.rank, r.proc.pid, code, **error)
         else:
             failure = failure_from_exit(r.rank, r.proc.pid, code)
-        if self.stop_sent_at is not None and r.error is not None and _is_peer_fallout(r.error):
+        if self.stop_sent_at is not None and error is not None and _is_peer_fallout(error):
             self.sink.handle(ev.RankStopped(r.rank, failure.summary()))
             return
         self.failures.append(failure)
@@ -201,17 +157,6 @@ class Monitor:
         for r in self.ranks:
             if not r.done:
                 r.proc.send_signal(sig)
-
-    def kill_now(self) -> None:
-        """On interrupt: kill every rank and wait (briefly) until each has exited."""
-        self.stop_sent_at = self.stop_sent_at or time.monotonic()
-        self._signal_all(signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        for r in self.ranks:
-            while r.proc.poll() is None and time.monotonic() < deadline:
-                if self.warm is not None:
-                    self.warm.pump()
-                time.sleep(0.01)
 
 
 def _is_peer_fallout(error: dict) -> bool:

@@ -33,6 +33,21 @@ def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
     return code.replace(co_filename=filename)
 
 
+class Payload:
+    """What a launch runs: `function(*args)`. Forked ranks take it from memory; the others get
+    `pickled()`, made once, before any rank starts, so an unpicklable object is named first."""
+
+    def __init__(self, function, args: tuple = ()):
+        self.function = function
+        self.args = tuple(args)
+        self._data = None
+
+    def pickled(self) -> bytes:
+        if self._data is None:
+            self._data = dumps(self.function, self.args)
+        return self._data
+
+
 def dumps(function, args: tuple) -> bytes:
     try:
         buffer = io.BytesIO()

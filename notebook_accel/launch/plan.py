@@ -7,7 +7,7 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .errors import LaunchConfigError
 
@@ -374,3 +374,47 @@ def _parent_may_have_omp_pool() -> bool:
     # There is no API to ask whether the pool exists; any torch with >1 intra-op thread may have one.
     torch = sys.modules.get("torch")
     return torch is not None and torch.get_num_threads() > 1
+
+
+class Preview(NamedTuple):
+    """What a launch here would use, for the hardware panel and the extension's sidebar."""
+
+    rows: list  # (label, value)
+    notes: list  # what make_plan would print
+    error: Optional[str]  # why a launch would refuse to start
+
+
+def launch_preview() -> Preview:
+    """What `notebook_launcher(fn)` would choose here, or why it would refuse.
+
+    Uses make_plan, which probes without initialising CUDA, and the same placement the ranks
+    would resolve.
+    """
+    from .. import hardware
+    from ..placement import resolve_placement
+    from ..utils.environment import USE_CPU_ENV, LaunchEnv
+
+    try:
+        plan = make_plan(num_processes=None, use_port="auto")
+        cpu = plan.env.get(USE_CPU_ENV) == "1"
+        family = None if cpu else hardware.detect_device_family()
+        env = LaunchEnv(world_size=plan.world_size, local_world_size=plan.num_processes)
+        placement = resolve_placement(env, family, cpu=cpu, device_count=plan.num_processes)
+    except Exception as exc:
+        return Preview([], [], str(exc) or type(exc).__name__)
+    processes = str(plan.num_processes)
+    if plan.num_nodes > 1:
+        processes += f" per node × {plan.num_nodes} nodes"
+    rows = [
+        ("Distributed type", str(placement.distributed_type)),
+        ("Processes", processes),
+        ("Backend", placement.backend or "none: one process, run in this kernel"),
+        ("Start method", f"{plan.start_method} ({plan.engine} engine)"),
+        ("Mixed precision", plan.mixed_precision),
+    ]
+    if plan.num_processes == 1 and plan.engine == "local":
+        # One process is the default without accelerators; say what asking for more gives.
+        many = resolve_placement(LaunchEnv(world_size=2, local_world_size=2), None, cpu=True)
+        how = "num_processes=N" if family in (None, "mps") else "num_processes=N, cpu=True"
+        rows.append((f"With {how}", f"{many.distributed_type} on {many.backend}, N CPU processes"))
+    return Preview(rows, [note.removeprefix("notebook_accel: ") for note in plan.notes], None)

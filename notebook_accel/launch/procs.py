@@ -13,7 +13,8 @@ import subprocess
 import sys
 from typing import Callable, Optional
 
-from . import worker
+from . import child
+from .channel import send_frame
 
 
 class RankProcess:
@@ -25,8 +26,10 @@ class RankProcess:
         self.out, self.err, self.ctrl = channels
         self._exit_status = exit_status  # for ranks that are not our children (forkserver)
         self.exitcode: Optional[int] = None
+        # Readable once the process exits, even one we did not fork (a forkserver rank, whose
+        # exit code still arrives through the server): a watcher sleeps instead of polling.
         self.exit_fd: Optional[int] = None
-        if exit_status is None and hasattr(os, "pidfd_open"):
+        if hasattr(os, "pidfd_open"):
             try:
                 self.exit_fd = os.pidfd_open(pid)
             except OSError:
@@ -88,7 +91,7 @@ def start_fork(local_rank: int, rank: int, env: dict, threads: int, function, ar
             for sock in parents:
                 sock.close()
             fds = tuple(c.detach() for c in children)
-            code = worker.run(rank, fds, env, threads, lambda: (function, args))
+            code = child.run(rank, fds, env, threads, lambda: (function, args))
             _exit_like_multiprocessing()
         finally:
             os._exit(code)
@@ -121,7 +124,7 @@ def _exit_like_multiprocessing() -> None:
             pass
 
 
-SPAWN_CODE = "from notebook_accel.launch.worker import spawn_main; spawn_main()"
+SPAWN_CODE = "from notebook_accel.launch.child import spawn_main; spawn_main()"
 
 
 def start_spawn(local_rank: int, rank: int, env: dict, threads: int, payload: bytes) -> RankProcess:
@@ -145,5 +148,5 @@ def start_spawn(local_rank: int, rank: int, env: dict, threads: int, payload: by
         sock.close()
     handle = RankProcess(local_rank, proc.pid, parents)
     proc.returncode = 0  # we reap it ourselves; stop Popen's destructor from warning
-    worker.send_frame(handle.ctrl, (rank, env, threads, payload))
+    send_frame(handle.ctrl, (rank, env, threads, payload))
     return handle

@@ -11,21 +11,24 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 from typing import Optional
 
-from . import worker
+from . import child
+from .channel import recv_frame, recv_frame_with_fds, send_frame, send_frame_with_fds
 
-_FDS = struct.Struct("!Q")
 SERVER_CODE = "from notebook_accel.launch.warm import serve; serve()"
 # torch._dynamo: DistributedDataParallel imports it at construction, about 1 s per rank otherwise.
 PRELOAD = (
-    "torch", "torch.distributed", "torch._dynamo", "cloudpickle", "notebook_accel.state",
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "cloudpickle",
+    "notebook_accel.state",
     "notebook_accel.launch.payload",
-)  # fmt: skip
+)
 
 
 # -- server side ------------------------------------------------------------------------------
@@ -35,7 +38,7 @@ def serve() -> None:
     sock = socket.socket(fileno=int(os.environ.pop("NOTEBOOK_ACCEL_SERVER_FD")))
     for name in PRELOAD:
         importlib.import_module(name)
-    worker.send_frame(sock, ("ready", os.getpid()))
+    send_frame(sock, ("ready", os.getpid()))
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ, "request")
     sel.register(sys.stdin, selectors.EVENT_READ, "lifeline")
@@ -64,23 +67,16 @@ def serve() -> None:
                     os._exit(0)
                 pid = _fork_rank(request, fds, sock)
                 children.add(pid)
-                worker.send_frame(sock, ("pid", request["local_rank"], pid))
+                send_frame(sock, ("pid", request["local_rank"], pid))
         for pid in list(children):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 children.discard(pid)
-                worker.send_frame(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
+                send_frame(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
 
 
 def _recv_request(sock: socket.socket):
-    header, fds, _flags, _addr = socket.recv_fds(sock, _FDS.size, 3)
-    if not header:
-        raise EOFError
-    header += worker.recv_exact(sock, _FDS.size - len(header)) if len(header) < _FDS.size else b""
-    (size,) = _FDS.unpack(header)
-    import pickle
-
-    return pickle.loads(worker.recv_exact(sock, size)), fds
+    return recv_frame_with_fds(sock, 3)
 
 
 def _fork_rank(request: dict, fds: list, server_sock: socket.socket) -> int:
@@ -99,7 +95,7 @@ def _fork_rank(request: dict, fds: list, server_sock: socket.socket) -> int:
 
                 return loads(payload)
 
-            code = worker.run(request["rank"], tuple(fds), request["env"], request["threads"], load)
+            code = child.run(request["rank"], tuple(fds), request["env"], request["threads"], load)
         finally:
             os._exit(code)
     for fd in fds:
@@ -132,7 +128,7 @@ class WarmServer:
         self.sock = mine
         self.exits: dict = {}
         self.pids: dict = {}
-        kind, self.pid = worker.recv_frame(self.sock)
+        kind, self.pid = recv_frame(self.sock)
         if kind != "ready":
             raise RuntimeError(f"notebook_accel forkserver failed to start: {kind!r}")
 
@@ -161,19 +157,19 @@ class WarmServer:
     def start_ranks(self, requests: list) -> list:
         """Start ranks from (local_rank, rank, env, threads, payload) tuples; all requests go out
         before any reply is awaited, so the server forks them back to back."""
-        import pickle
-
         from .procs import RankProcess, _channels
 
         parents_by_rank = {}
         for local_rank, rank, env, threads, payload in requests:
             parents, children = _channels()
-            body = pickle.dumps(
-                {"local_rank": local_rank, "rank": rank, "env": env, "threads": threads, "payload": payload},
-                protocol=pickle.HIGHEST_PROTOCOL,
-            )
-            socket.send_fds(self.sock, [_FDS.pack(len(body))], [c.fileno() for c in children])
-            self.sock.sendall(body)
+            request = {
+                "local_rank": local_rank,
+                "rank": rank,
+                "env": env,
+                "threads": threads,
+                "payload": payload,
+            }
+            send_frame_with_fds(self.sock, request, [c.fileno() for c in children])
             for sock in children:
                 sock.close()
             parents_by_rank[local_rank] = parents
@@ -187,7 +183,7 @@ class WarmServer:
         if kind == "pid" and key in self.pids:
             return self.pids.pop(key)
         while True:
-            message = worker.recv_frame(self.sock)
+            message = recv_frame(self.sock)
             if message[0] == "exit":
                 self.exits[message[1]] = message[2]
             elif message[0] == kind and message[1] == key:
@@ -207,7 +203,7 @@ class WarmServer:
                 if not header:
                     return
                 self.sock.setblocking(True)
-                message = worker.recv_frame(self.sock)
+                message = recv_frame(self.sock)
                 self.sock.setblocking(False)
                 if message[0] == "exit":
                     self.exits[message[1]] = message[2]

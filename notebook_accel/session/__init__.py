@@ -10,6 +10,13 @@ from .manager import Session, print_output
 from .ranks import CellReply, parse_ranks
 
 __all__ = [
-    "CellError", "CellReply", "Session", "SessionError", "SessionNotStarted", "SessionTimeout", "WorkerDied",
-    "parse_ranks", "print_output",
-]  # fmt: skip
+    "CellError",
+    "CellReply",
+    "Session",
+    "SessionError",
+    "SessionNotStarted",
+    "SessionTimeout",
+    "WorkerDied",
+    "parse_ranks",
+    "print_output",
+]

@@ -16,8 +16,8 @@ from typing import Callable, Optional
 
 from .errors import CellError, SessionError, SessionNotStarted, SessionTimeout
 from .pool import Request, WorkerPool, cell_reply
+from .processes import reap
 from .ranks import parse_ranks
-from .workers import reap
 
 INTERRUPT_GRACE_S = 10.0  # after an interrupt: SIGINT again each second, SIGKILL after this long
 STOP_GRACE_S = 3.0  # a stop message, then SIGTERM, then after TERM_GRACE_S, SIGKILL
@@ -77,10 +77,17 @@ class Session:
         from ..launch.plan import default, make_plan
 
         plan = make_plan(
-            num_processes=self.num_processes, mixed_precision=self.mixed_precision or default("no"),
-            use_port="auto", master_addr="127.0.0.1", node_rank=0, num_nodes=1, rdzv_backend="static",
-            max_restarts=0, start_method=self.start_method, cpu=self.cpu,
-        )  # fmt: skip
+            num_processes=self.num_processes,
+            mixed_precision=self.mixed_precision or default("no"),
+            use_port="auto",
+            master_addr="127.0.0.1",
+            node_rank=0,
+            num_nodes=1,
+            rdzv_backend="static",
+            max_restarts=0,
+            start_method=self.start_method,
+            cpu=self.cpu,
+        )
         if plan.engine != "local":
             raise SessionError(f"interactive sessions need local processes, not the {plan.engine} engine")
         for note in plan.notes:
@@ -102,9 +109,13 @@ class Session:
 
     # -- cells and values ---------------------------------------------------------------------
     def run_cell(
-        self, source: str, filename: Optional[str] = None, ranks=None, timeout: Optional[float] = None,
+        self,
+        source: str,
+        filename: Optional[str] = None,
+        ranks=None,
+        timeout: Optional[float] = None,
         check: bool = False,
-    ) -> dict:  # fmt: skip
+    ) -> dict:
         """Run `source` on the ranks; rank -> CellReply once every one has answered. With `timeout`
         the ranks are interrupted when it runs out and SessionTimeout is raised. `check=True`
         raises CellError when the cell raised on some rank."""
@@ -164,8 +175,17 @@ class Session:
                     rss = psutil.Process(w.pid).memory_info().rss
                 except psutil.Error:
                     pass
-            rows.append({"rank": w.rank, "pid": w.pid, "state": w.state, "exitcode": w.exitcode,
-                         "signal": w.signal_name, "device": w.device, "rss": rss})  # fmt: skip
+            rows.append(
+                {
+                    "rank": w.rank,
+                    "pid": w.pid,
+                    "state": w.state,
+                    "exitcode": w.exitcode,
+                    "signal": w.signal_name,
+                    "device": w.device,
+                    "rss": rss,
+                }
+            )
         return rows
 
     # -- requests -----------------------------------------------------------------------------
@@ -229,8 +249,10 @@ class Session:
         for rank in killed:
             pool.signal(pool.workers[rank], signal.SIGKILL)
         if killed:
-            print(f"notebook_accel session: ranks {killed} did not stop on interrupt and were killed; call restart()",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"notebook_accel session: ranks {killed} did not stop on interrupt and were killed; call restart()",
+                file=sys.stderr,
+            )
         try:
             pool.wait_until(lambda: not req.waiting(), time.monotonic() + 5.0, self.tick)
         except KeyboardInterrupt:

@@ -14,8 +14,8 @@ from typing import Callable, Optional
 
 from . import protocol
 from .errors import SessionError, WorkerDied
+from .processes import gone, reap, start_workers
 from .ranks import CellReply
-from .workers import gone, reap, start_workers
 
 
 class Request:
@@ -28,7 +28,9 @@ class Request:
         self.cancelled: set = set()  # ranks it never reached (an interrupt came while sending)
 
     def waiting(self) -> list:
-        return [r for r in self.ranks if r not in self.replies and r not in self.dead and r not in self.cancelled]
+        return [
+            r for r in self.ranks if r not in self.replies and r not in self.dead and r not in self.cancelled
+        ]
 
     def finished(self) -> bool:
         return bool(self.dead) or not self.waiting()
@@ -103,8 +105,6 @@ class WorkerPool:
             if w.conn is not None:
                 w.conn.close()
             w.proc.close()
-            if w.own_exit_fd:
-                os.close(w.exit_fd)
         if self.listener is not None:
             self.listener.close()
             self.listener = None

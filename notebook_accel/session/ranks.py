@@ -7,7 +7,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..launch.lines import LineSplitter
+from ..launch.channel import RankChannel
 
 
 def parse_ranks(spec, world: int) -> list:
@@ -85,21 +85,21 @@ class CellReply:
 class WorkerState:
     """The parent's view of one worker (its process, channel and what it is doing)."""
 
-    def __init__(self, rank: int, proc, exit_fd: Optional[int], own_exit_fd: bool):
+    def __init__(self, rank: int, proc):
         self.rank = rank
-        self.proc = proc
+        self.proc = proc  # launch.procs.RankProcess: its sockets, exit fd and signals
         self.pid = proc.pid
-        self.exit_fd = exit_fd
-        self.own_exit_fd = own_exit_fd  # opened by the session (forkserver ranks), closed by it too
+        self.channel = RankChannel(rank)  # its stdout, stderr and the launch's control frames
         self.conn = None  # channel socket, once the worker said hello
         self.device = None
         self.busy: set = set()  # ids of requests sent and not yet answered
         self.dead = False
         self.exitcode: Optional[int] = None
-        self.launch_error: Optional[dict] = None  # what the launch worker reported, if it failed
-        self.lines = {"stdout": LineSplitter(), "stderr": LineSplitter()}
-        self.open_streams = {"stdout", "stderr", "ctrl"}
-        self.ctrl_buf = b""
+
+    @property
+    def launch_error(self) -> Optional[dict]:
+        """What the rank reported if its serve loop raised (it failed while starting, say)."""
+        return self.channel.error
 
     @property
     def state(self) -> str:

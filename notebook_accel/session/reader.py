@@ -5,17 +5,15 @@ as it comes, so a worker never blocks on a full pipe however long or loud its ce
 from __future__ import annotations
 
 import os
-import pickle
 import selectors
 import socket
-import struct
 import sys
 import threading
 import traceback
 
+from ..launch.channel import recv_ready
 from . import protocol
 
-_CTRL = struct.Struct("!Q")  # the launch worker's control frames: length, then a pickle
 MAX_UNBOUND = 64  # connections that have not said hello yet; more are refused
 
 
@@ -43,8 +41,8 @@ class Reader(threading.Thread):
         for r in ranks:
             for sock, kind in ((r.proc.out, "stdout"), (r.proc.err, "stderr"), (r.proc.ctrl, "ctrl")):
                 self.sel.register(sock, selectors.EVENT_READ, (kind, r))
-            if r.exit_fd is not None:
-                self.sel.register(r.exit_fd, selectors.EVENT_READ, ("exit", r))
+            if r.proc.exit_fd is not None:
+                self.sel.register(r.proc.exit_fd, selectors.EVENT_READ, ("exit", r))
             else:
                 self.polled.append(r)
 
@@ -66,8 +64,6 @@ class Reader(threading.Thread):
                         self._drain_wake()
                     elif kind == "chan":
                         self._read_channel(item)
-                    elif kind == "ctrl":
-                        self._read_ctrl(item)
                     elif kind == "exit":
                         self._unregister(key.fileobj)
                         self._exited(item)
@@ -133,63 +129,34 @@ class Reader(threading.Thread):
 
     # -- output, control, exits -----------------------------------------------------------------
     def _read_output(self, r, stream: str, sock) -> bool:
-        """Read what is there; False once nothing more is (or the stream ended)."""
-        data = self._recv(sock)
+        """Read what is there (output or control frames); False once nothing more is (or it ended)."""
+        data = recv_ready(sock)
         if data is None:
             return False
-        splitter = r.lines[stream]
         if not data:
             self._unregister(sock)
-            r.open_streams.discard(stream)
-        for text, transient in splitter.feed(data) if data else splitter.finish():
-            self.pool.emit(r.rank, stream, text, transient)
+        self._emit(r.channel.feed(stream, data))
         return bool(data)
+
+    def _emit(self, events: list) -> None:
+        for e in events:
+            if hasattr(e, "text"):  # output; the launch's RankStarted says nothing a session needs
+                self.pool.emit(e.rank, e.stream, e.text, e.transient)
 
     def _drain_output(self, r) -> None:
         for stream, sock in (("stdout", r.proc.out), ("stderr", r.proc.err)):
             # What was written before the reply fits in the socket buffer; the bound keeps a
             # background thread that never stops printing from holding the reply back forever.
             for _ in range(64):
-                if stream not in r.open_streams or not self._read_output(r, stream, sock):
+                if stream not in r.channel.open or not self._read_output(r, stream, sock):
                     break
-            for text, transient in r.lines[stream].finish():  # a cell's last partial line
-                self.pool.emit(r.rank, stream, text, transient)
-
-    def _read_ctrl(self, r) -> bool:
-        data = self._recv(r.proc.ctrl)
-        if data is None:
-            return False
-        if not data:
-            self._unregister(r.proc.ctrl)
-            r.open_streams.discard("ctrl")
-            return False
-        r.ctrl_buf += data
-        while len(r.ctrl_buf) >= _CTRL.size:
-            (size,) = _CTRL.unpack_from(r.ctrl_buf)
-            if len(r.ctrl_buf) < _CTRL.size + size:
-                break
-            # The control socket is a private socket pair to our own child, as in the launcher.
-            message = pickle.loads(r.ctrl_buf[_CTRL.size : _CTRL.size + size])
-            r.ctrl_buf = r.ctrl_buf[_CTRL.size + size :]
-            if message[0] == "error":
-                r.launch_error = message[1]
-        return True
+            self._emit(r.channel.flush(stream))  # a cell's last partial line
 
     def _exited(self, r) -> None:
         self._drain_output(r)
-        while "ctrl" in r.open_streams and self._read_ctrl(r):
+        while "ctrl" in r.channel.open and self._read_output(r, "ctrl", r.proc.ctrl):
             pass
         self.pool.on_exit(r)
-
-    @staticmethod
-    def _recv(sock):
-        """Bytes ready on sock; b"" at its end; None when nothing is ready."""
-        try:
-            return sock.recv(1 << 16, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError:
-            return b""
 
     def _unregister(self, fileobj) -> None:
         try:

@@ -15,8 +15,9 @@ import sys
 
 import cloudpickle
 
+from ..launch.child import flush_output
 from . import display, protocol
-from .cells import Cells, error_report
+from .cell_runner import Cells, error_report
 
 
 def serve(port: int, key: bytes) -> int:
@@ -44,7 +45,7 @@ def serve(port: int, key: bytes) -> int:
                 return 0
             header, payload = message
             reply, data = _handle(cells, rank, header, payload)
-            _flush()
+            flush_output()
             channel.send({"type": "done", "id": header.get("id"), "rank": rank, **reply}, data)
     finally:
         sock.close()
@@ -116,27 +117,9 @@ def _line_buffered_stdio() -> None:
     # One write per line (print("a", 1) arrives whole), and partial lines wait for the cell's end.
     for fd, name in ((1, "stdout"), (2, "stderr")):
         stream = io.TextIOWrapper(
-            io.BufferedWriter(io.FileIO(fd, "w", closefd=False)), encoding="utf-8",
-            errors="backslashreplace", line_buffering=True,
-        )  # fmt: skip
+            io.BufferedWriter(io.FileIO(fd, "w", closefd=False)),
+            encoding="utf-8",
+            errors="backslashreplace",
+            line_buffering=True,
+        )
         setattr(sys, name, stream)
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    global _libc
-    try:  # C extensions write through libc, which buffers when fd 1 is not a terminal
-        if _libc is None:
-            import ctypes
-
-            _libc = ctypes.CDLL(None)
-        _libc.fflush(None)
-    except Exception:
-        pass
-
-
-_libc = None

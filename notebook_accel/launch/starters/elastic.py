@@ -14,22 +14,20 @@ import pickle
 import selectors
 import shutil
 import socket
-import struct
 import tempfile
 import threading
 import time
 
-from . import events as ev
-from .errors import (
+from .. import events as ev
+from ..channel import RankChannel, recv_ready
+from ..errors import (
     LaunchFailedError,
     LaunchStoppedError,
     LaunchTimeoutError,
     NodesMissingError,
     failure_from_exit,
 )
-from .lines import LineSplitter
 
-_HEADER = struct.Struct("!Q")
 NODE_WAIT_NOTICE_S = 5.0  # no worker yet after this long: say which nodes we are waiting for
 _WAIT_KEY = {"static": "timeout", "c10d": "join_timeout"}  # the rendezvous wait, in seconds
 _FORKSERVER_PRELOAD = (
@@ -37,16 +35,14 @@ _FORKSERVER_PRELOAD = (
     "torch.distributed",
     "cloudpickle",
     "notebook_accel.state",
-    "notebook_accel.launch.worker",
+    "notebook_accel.launch.child",
 )
 GO, STOP = b"g", b"s"
 
 
-def launch_elastic(plan, function, args: tuple, sink, control) -> list:
+def run(plan, payload, sink, control) -> list:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from .payload import dumps
 
     # The agent starts workers from its own thread while this thread reads their output: a fork
     # then can copy a lock another thread holds (seen: a restarted rank stuck importing a module).
@@ -56,7 +52,7 @@ def launch_elastic(plan, function, args: tuple, sink, control) -> list:
         import multiprocessing
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(_FORKSERVER_PRELOAD))
-    payload = dumps(function, args)  # fails here, naming the object, before any process starts
+    target = payload.pickled()  # fails here, naming the object, before any process starts
     endpoint = plan.rdzv_endpoint or f"{plan.master_addr}:{plan.master_port}"
     conf = _rendezvous_conf(plan)
     hub = _Hub(plan, sink, _waiting_text(plan, endpoint, conf))
@@ -77,7 +73,6 @@ def launch_elastic(plan, function, args: tuple, sink, control) -> list:
         log_line_prefix_template=plan.log_line_prefix_template,
         logs_specs=DefaultLogsSpecs(log_dir=hub.tmp),
     )
-    target = payload
     outcome = {}
 
     def agent():
@@ -187,7 +182,7 @@ def _quiet_torch_loggers():
 
 def _entry(hub_path: str, env: dict, threads: int, target):
     """Runs in each elastic worker: connect back, wait for the go-ahead, run as a local rank does."""
-    from . import worker
+    from .. import child
 
     os.setpgid(0, 0)
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -208,11 +203,11 @@ def _entry(hub_path: str, env: dict, threads: int, target):
     }
 
     def load():
-        from .payload import loads
+        from ..payload import loads
 
         return loads(target)
 
-    code = worker.run(rank, tuple(s.detach() for s in fds), env, threads, load)
+    code = child.run(rank, tuple(s.detach() for s in fds), env, threads, load)
     if code != 0:
         os._exit(code)  # the traceback already went to the launcher; exit non-zero so the agent sees it
     return None
@@ -222,9 +217,8 @@ class _Conn:
     def __init__(self, sock):
         self.sock = sock
         self.head = b""
-        self.key = None  # (local_rank, attempt, channel, rank) once the header line has arrived
-        self.buf = b""
-        self.lines = LineSplitter()
+        self.key = None  # (local_rank, attempt, stream) once the header line has arrived
+        self.channel = None  # the RankChannel of that rank's attempt
 
 
 class _Hub:
@@ -247,6 +241,7 @@ class _Hub:
         self.pids: dict = {}  # (local_rank, attempt) -> pid
         self.ranks: dict = {}  # local_rank -> global rank of its latest attempt
         self.outcomes: dict = {}  # local_rank -> (attempt, "result"/"error", value)
+        self.channels: dict = {}  # (local_rank, attempt) -> RankChannel
 
     def serve_until(self, thread: threading.Thread, control) -> None:
         drained_at = None
@@ -280,62 +275,50 @@ class _Hub:
             self.open += 1
 
     def _read(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(1 << 16)
-        except BlockingIOError:
+        data = recv_ready(conn.sock)
+        if data is None:
             return
-        except ConnectionError:
-            data = b""
-        eof = not data
         if conn.key is None:
             conn.head += data
             if b"\n" not in conn.head:
-                if eof:
-                    self.sel.unregister(conn.sock)
-                    conn.sock.close()
-                    self.open -= 1
+                if not data:
+                    self._close(conn)
                 return
             line, _, data = conn.head.partition(b"\n")
-            local_rank, attempt, channel, rank = line.decode().split()
-            conn.key = (int(local_rank), int(attempt), channel, int(rank))
-            if channel == "ctrl":
+            local_rank, attempt, stream, rank = line.decode().split()
+            conn.key = (int(local_rank), int(attempt), stream)
+            conn.channel = self.channels.setdefault(conn.key[:2], RankChannel(int(rank)))
+            if stream == "ctrl":
                 conn.sock.setblocking(True)
                 conn.sock.sendall(STOP if self.stopping else GO)
                 conn.sock.setblocking(False)
-        local_rank, attempt, channel, rank = conn.key
-        if eof:
-            self.sel.unregister(conn.sock)
-            conn.sock.close()
-            self.open -= 1
-            if channel != "ctrl":
-                for text, transient in conn.lines.finish():
-                    self.sink.handle(ev.RankOutput(rank, channel, text, transient))
-            return
-        if channel == "ctrl":
-            conn.buf += data
-            self._messages(conn, local_rank, attempt, rank)
-            return
-        for text, transient in conn.lines.feed(data):
-            self.sink.handle(ev.RankOutput(rank, channel, text, transient))
+            if not data:
+                return  # only the header so far
+        local_rank, attempt, stream = conn.key
+        chan = conn.channel
+        had = chan.outcome
+        for event in chan.feed(stream, data):
+            if isinstance(event, ev.RankStarted):
+                self.ranks[local_rank] = chan.rank
+                self.pids[(local_rank, attempt)] = event.pid
+            self.sink.handle(event)
+        if chan.outcome is not None and had is None:
+            self._finished(local_rank, attempt, chan)
+        if not data:
+            self._close(conn)
 
-    def _messages(self, conn: _Conn, local_rank: int, attempt: int, rank: int) -> None:
-        while len(conn.buf) >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(conn.buf)
-            if len(conn.buf) < _HEADER.size + size:
-                return
-            kind, *rest = pickle.loads(conn.buf[_HEADER.size : _HEADER.size + size])
-            conn.buf = conn.buf[_HEADER.size + size :]
-            if kind == "started":
-                self.ranks[local_rank] = rank
-                self.pids[(local_rank, attempt)] = rest[0]
-                self.sink.handle(ev.RankStarted(rank, rest[0]))
-            elif kind in ("result", "error"):
-                self.outcomes[local_rank] = (attempt, kind, rest[0])
-                if kind == "result":
-                    self.sink.handle(ev.RankFinished(rank, 0.0))
-                else:
-                    pid = self.pids.get((local_rank, attempt))
-                    self.sink.handle(ev.RankFailed(rank, pid, 1, **rest[0]))
+    def _finished(self, local_rank: int, attempt: int, chan: RankChannel) -> None:
+        kind = chan.outcome
+        self.outcomes[local_rank] = (attempt, kind, chan.result if kind == "result" else chan.error)
+        if kind == "result":
+            self.sink.handle(ev.RankFinished(chan.rank, 0.0))
+        else:
+            self.sink.handle(ev.RankFailed(chan.rank, chan.pid, 1, **chan.error))
+
+    def _close(self, conn: _Conn) -> None:
+        self.sel.unregister(conn.sock)
+        conn.sock.close()
+        self.open -= 1
 
     def outcome_kind(self, rank: int):
         """The latest outcome ("result" or "error") of global `rank`, None while it runs."""

@@ -1,42 +1,20 @@
-"""What runs inside each child: take over fds 1 and 2, run the function, report back.
+"""What runs inside each rank process: take over fds 1 and 2, run the function, report back.
 
-A child receives three connected sockets: `out` and `err` become fds 1 and 2 (so C-level output
-is caught too), `ctrl` carries framed messages: ("started", pid), ("result", bytes), ("error", dict).
+A rank receives three connected sockets: `out` and `err` become fds 1 and 2 (so C-level output
+is caught too), `ctrl` carries the frames of channel.py: ("started", pid), ("result", bytes) or
+("error", dict).
 """
 
 from __future__ import annotations
 
 import io
 import os
-import pickle
 import signal
 import socket
-import struct
 import sys
 import traceback
 
-_HEADER = struct.Struct("!Q")
-
-
-def send_frame(sock: socket.socket, obj) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_HEADER.pack(len(data)) + data)
-
-
-def recv_exact(sock: socket.socket, size: int) -> bytes:
-    chunks, left = [], size
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise EOFError("connection closed mid-frame")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def recv_frame(sock: socket.socket):
-    (size,) = _HEADER.unpack(recv_exact(sock, _HEADER.size))
-    return pickle.loads(recv_exact(sock, size))
+from .channel import recv_frame, send_frame
 
 
 def _die_with_parent() -> None:
@@ -82,11 +60,15 @@ def _prepare_process(env: dict, threads: int) -> None:
 def _error_report(exc: BaseException) -> dict:
     tb = exc.__traceback__
     # Drop our frames (this module's, and those marked __tracebackhide__): the user's code starts below.
-    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__ or "__tracebackhide__" in tb.tb_frame.f_locals):
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename == __file__ or "__tracebackhide__" in tb.tb_frame.f_locals
+    ):
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     kind = type(exc)
-    name = kind.__name__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__name__}"
+    name = (
+        kind.__name__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__name__}"
+    )
     return {"exc_type": name, "message": str(exc), "traceback": text}
 
 
@@ -106,10 +88,10 @@ def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
             function, args = load()
             result = function(*args)
         except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
-            _flush()
+            flush_output()
             send_frame(ctrl, ("error", _error_report(exc)))
             return 1
-        _flush()
+        flush_output()
         import cloudpickle
 
         try:
@@ -121,18 +103,32 @@ def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
         send_frame(ctrl, ("result", data))
         code = 0
     finally:
-        _flush()
+        flush_output()
         _destroy_group()
         ctrl.close()
     return code
 
 
-def _flush() -> None:
+def flush_output() -> None:
+    """Python's buffered output, then libc's (C extensions write through it, and it buffers when
+    fd 1 is not a terminal). Session workers call this after each cell too."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
+    global _libc
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL(None)
+        _libc.fflush(None)
+    except Exception:
+        pass
+
+
+_libc = None
 
 
 def _destroy_group() -> None:

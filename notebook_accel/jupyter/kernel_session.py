@@ -11,13 +11,13 @@ from __future__ import annotations
 import atexit
 import itertools
 import queue
-import time
 from typing import Optional
 
-from ..launch import events as ev
+from ..launch import frontend
 from ..launch.sinks import Fanout
 from ..session import Session, SessionTimeout, WorkerDied, parse_ranks
-from . import cells
+from ..session.cell_events import CellEvents
+from . import cell_jobs
 
 PANEL_AFTER_S = 0.5  # a silent session cell shows its launch panel (with Stop) after this long
 _current: Optional["KernelSession"] = None
@@ -71,64 +71,57 @@ class KernelSession:
         self.session = _Session(num_processes, start_method, mixed_precision, cpu, on_output=self._on_output)
         self.session.owner = self
         self.session.tick = self._pump
-        self.sink = None  # the running cell's sink; touched on the main thread only
+        self.cell: Optional[CellEvents] = None  # the running cell's events; main thread only
 
     @property
     def world(self) -> int:
         return len(self.session.pids()) or (self.session.num_processes or 0)
 
     def _on_output(self, rank: int, stream: str, text: str, transient: bool) -> None:
-        self.queue.put(ev.RankOutput(rank, stream, text, transient))  # the reader thread: no I/O here
+        self.queue.put((rank, stream, text, transient))  # the reader thread: no I/O here
 
     def _pump(self) -> None:
+        cell = self.cell
         while True:
             try:
-                event = self.queue.get_nowait()
+                line = self.queue.get_nowait()
             except queue.Empty:
-                return
-            if self.sink is not None:
-                self.sink.handle(event)
-        if self.sink is not None:
-            self.sink.poll()  # a quiet cell's panel appears once the cell has run a while
+                break
+            if cell is not None:
+                cell.output(*line)
+        if cell is not None:
+            cell.sink.poll()  # a quiet cell's panel appears once the cell has run a while
 
     # -- a cell on the workers ------------------------------------------------------------------
     def run_cell(self, source: str, ranks=None, timeout: Optional[float] = None, out: tuple = ()) -> None:
-        from .. import launch
-
         pids = self.session.pids()
         world = len(pids) or (self.session.num_processes or 0)
         targets = parse_ranks(ranks, world)
-        number = cells.cell_number(self.shell)
+        number = cell_jobs.cell_number(self.shell)
         filename = self.shell.compile.cache(source, number)
         label = f"Cell In[{number}]"
         self._pump()  # output that arrived between cells belongs to no cell: show it here
         # A panel only for cells that print, fail or take a while: a quick silent one draws nothing.
-        sink = Fanout(launch.launcher.default_sinks(show_after=PANEL_AFTER_S))
+        sink = Fanout(frontend.default_sinks(show_after=PANEL_AFTER_S))
         stop = _Stop(self.session, targets)
         sink.attach(stop)
-        self.sink = sink
-        sink.handle(ev.LaunchStarted(len(targets), "session", world, ranks=tuple(targets)))
-        for rank in targets:
-            sink.handle(ev.RankStarted(rank, pids.get(rank, 0)))
-        started = time.monotonic()
+        cell = self.cell = CellEvents(sink, targets, world, pids)
         try:
             replies = self.session.run_cell(source, filename, ranks=targets, timeout=timeout)
         except KeyboardInterrupt:
-            self._end(sink, started, {}, targets, "interrupted")
+            self._end(cell, {}, "interrupted")
             raise
         except SessionTimeout as exc:
-            self._end(sink, started, exc.replies, targets, f"timed out after {timeout:g} s")
+            self._end(cell, exc.replies, f"timed out after {timeout:g} s")
             raise SessionCellTimeout(f"{exc}; the session goes on") from None
         except WorkerDied as exc:
-            for rank, (code, sig) in exc.deaths.items():
-                sink.handle(ev.RankFailed(rank, pids.get(rank), code, signal_name=sig))
-            self._end(sink, started, exc.replies, targets, "", failed=tuple(sorted(exc.deaths)))
+            self._end(cell, exc.replies, "", failed=cell.died(exc.deaths))
             raise SessionCellError(str(exc)) from None
         except BaseException:
-            self._end(sink, started, {}, targets, "failed")
+            self._end(cell, {}, "failed")
             raise
-        failed = self._report(sink, replies, pids, started)
-        self._end(sink, started, replies, targets, stop.reason, failed=failed)
+        failed = cell.replies(replies)
+        self._end(cell, replies, stop.reason, failed=failed)
         if stop.reason:
             raise SessionCellStopped(f"{stop.reason}: the ranks were interrupted; the session goes on")
         if failed:
@@ -138,30 +131,11 @@ class KernelSession:
             for name in out:
                 self.shell.user_ns[name] = self.session.pull(name, targets[0])
 
-    def _report(self, sink, replies: dict, pids: dict, started: float) -> tuple:
-        failed = []
-        for rank, reply in sorted(replies.items()):
-            if reply.ok:
-                sink.handle(ev.RankFinished(rank, time.monotonic() - started))
-            else:
-                err = reply.error or {}
-                sink.handle(ev.RankFailed(rank, pids.get(rank), None, err.get("exc_type"), err.get("message", ""),
-                                          err.get("traceback", "")))  # fmt: skip
-                failed.append(rank)
-        return tuple(failed)
-
-    def _end(self, sink, started, replies, targets, stopped: str, failed: tuple = ()) -> None:
+    def _end(self, cell: CellEvents, replies: dict, stopped: str, failed: tuple = ()) -> None:
         self._pump()
-        if stopped:
-            for rank in targets:
-                reply = replies.get(rank)
-                if reply is None or not reply.ok:
-                    sink.handle(ev.RankStopped(rank, stopped))
-        sink.handle(
-            ev.LaunchFinished(not failed and not stopped, time.monotonic() - started, failed, stopped)
-        )
-        sink.close()
-        self.sink = None
+        cell.end(replies, stopped, failed)
+        cell.sink.close()
+        self.cell = None
         _notify(self)  # a worker may have died
 
     def _show(self, reply) -> None:
@@ -178,7 +152,7 @@ class KernelSession:
         self.session.stop()
 
 
-class SessionCellError(cells._ShownShort, RuntimeError):
+class SessionCellError(cell_jobs._ShownShort, RuntimeError):
     """A session cell raised on some ranks (or a worker died); the session goes on."""
 
 
@@ -200,7 +174,7 @@ def _failure_text(replies: dict, failed: tuple, filename: str, label: str) -> st
         lines.append(f"rank {rank} raised {err.get('exc_type')}: {err.get('message', '')}")
         text = (err.get("traceback") or "").rstrip()
         if text:
-            text = cells.relabel_cells(text.replace(f'File "{filename}"', label))
+            text = cell_jobs.relabel_cells(text.replace(f'File "{filename}"', label))
             tracebacks.setdefault(text, []).append(rank)
     for text, ranks in tracebacks.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

@@ -1,0 +1,187 @@
+"""One launch as state, folded from its events: what the launch panel draws and what the
+JupyterLab extension's sink sends. No widgets here; `handle()` only records, under a lock, so the
+thread that reads the ranks (perhaps 100k lines a second) never waits on a view."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+from ..launch import events as ev
+
+
+class Log:
+    """The newest `max_lines` items of a view, and how many were ever added (its version)."""
+
+    __slots__ = ("items", "added")
+
+    def __init__(self, max_lines: int):
+        self.items: deque = deque(maxlen=max_lines)
+        self.added = 0
+
+    def add(self, item) -> None:
+        self.items.append(item)
+        self.added += 1
+
+    @property
+    def dropped(self) -> int:
+        return self.added - len(self.items)
+
+    def since(self, seen: int) -> tuple:
+        """(items added after the first `seen` that are still kept, how many of those were dropped)."""
+        new = self.added - seen
+        kept = min(new, len(self.items))
+        return list(self.items)[len(self.items) - kept :] if kept else [], new - kept
+
+
+class RankState:
+    __slots__ = (
+        "rank",
+        "pid",
+        "state",
+        "detail",
+        "started",
+        "seconds",
+        "log",
+        "current",
+        "bar_text",
+        "bar_final",
+    )
+
+    def __init__(self, rank: int, max_lines: int):
+        self.rank = rank
+        self.pid: Optional[int] = None
+        self.state = "pending"
+        self.detail = ""
+        self.started: Optional[float] = None  # time.monotonic()
+        self.seconds: Optional[float] = None  # once it ended
+        self.log = Log(max_lines)  # (stream, text) of whole lines
+        self.current: dict = {}  # stream -> the redraw in progress (transient text)
+        self.bar_text: Optional[str] = None  # the newest line that may be a tqdm bar
+        self.bar_final = False
+
+    def end(self, state: str, detail: str = "", seconds: Optional[float] = None) -> None:
+        self.state, self.detail = state, detail
+        if seconds is None and self.started is not None:
+            seconds = time.monotonic() - self.started
+        self.seconds = seconds
+
+    def elapsed(self, now: float) -> Optional[float]:
+        if self.seconds is not None:
+            return self.seconds
+        return None if self.started is None else now - self.started
+
+
+def failure_detail(event: ev.RankFailed) -> str:
+    parts = [event.exc_type] if event.exc_type else []
+    if event.signal_name:
+        parts.append(event.signal_name)
+    elif event.exitcode is not None:
+        parts.append(f"exit code {event.exitcode}")
+    return ", ".join(parts)
+
+
+class LaunchModel:
+    """The launch's state ("pending", "running", "done", "failed", "stopped"), its ranks, the log of
+    all ranks and of each, and its failures. Read its fields under `lock`."""
+
+    def __init__(self, max_lines: int = 1000):
+        self.max_lines = int(max_lines)
+        self.lock = threading.Lock()
+        self.launches = 0  # a panel may show several launches in turn
+        self.layout = 0  # bumped when the set of ranks changes
+        self.reset(None)
+
+    def reset(self, started: Optional[ev.LaunchStarted]) -> None:
+        self.state = "running" if started else "pending"
+        self.began = time.monotonic()
+        self.seconds: Optional[float] = None
+        self.note = self.notice = ""
+        self.stop_requested = False
+        self.failures: list = []
+        self.all = Log(self.max_lines)  # (rank, stream, text)
+        self.ranks: dict = {}
+        self.layout += 1
+        self.launches += 1
+        if started is not None:
+            first = started.node_rank * started.num_processes
+            for rank in started.ranks or range(first, first + started.num_processes):
+                self.ranks[rank] = RankState(rank, self.max_lines)
+
+    def handle(self, event) -> None:
+        with self.lock:
+            if isinstance(event, ev.RankOutput):
+                self._output(event)
+            else:
+                self._lifecycle(event)
+
+    def rank(self, rank: int) -> RankState:
+        r = self.ranks.get(rank)
+        if r is None:  # a rank LaunchStarted did not announce: show it anyway
+            r = self.ranks[rank] = RankState(rank, self.max_lines)
+            self.layout += 1
+        return r
+
+    def sorted_ranks(self) -> list:
+        return [self.ranks[k] for k in sorted(self.ranks)]
+
+    def elapsed(self, now: float) -> float:
+        return self.seconds if self.seconds is not None else now - self.began
+
+    def _output(self, e: ev.RankOutput) -> None:
+        r = self.ranks.get(e.rank) or self.rank(e.rank)
+        if e.transient:
+            if e.text.strip():
+                r.current[e.stream] = e.text
+                if e.text.rstrip().endswith("]"):  # cheap test; a view parses
+                    r.bar_text, r.bar_final = e.text, False
+            else:  # a bar erased itself (tqdm leave=False)
+                r.current.pop(e.stream, None)
+            return
+        r.current.pop(e.stream, None)
+        if e.text.rstrip().endswith("]"):
+            r.bar_text, r.bar_final = e.text, True
+        r.log.add((e.stream, e.text))
+        self.all.add((e.rank, e.stream, e.text))
+
+    def _lifecycle(self, event) -> None:
+        if isinstance(event, ev.LaunchStarted):
+            self.reset(event)
+        elif isinstance(event, ev.RankStarted):
+            r = self.rank(event.rank)
+            r.pid, r.state, r.started = event.pid, "running", time.monotonic()
+            if self.note == self.notice:  # "waiting for the other nodes" is over
+                self.note = ""
+        elif isinstance(event, ev.RankFinished):
+            self.rank(event.rank).end("done", seconds=event.seconds)
+        elif isinstance(event, ev.RankFailed):
+            r = self.rank(event.rank)
+            r.pid = r.pid or event.pid
+            r.end("failed", failure_detail(event))
+            self.failures.append(event)
+        elif isinstance(event, ev.RankStopped):
+            r = self.rank(event.rank)
+            if r.state in ("pending", "running"):
+                r.end("stopped", event.reason)
+        elif isinstance(event, ev.LaunchNotice):
+            self.note = self.notice = event.text
+        elif isinstance(event, ev.LaunchFinished):
+            self._finished(event)
+
+    def _finished(self, event: ev.LaunchFinished) -> None:
+        self.seconds = event.seconds
+        if event.stopped:
+            self.state, self.note = "stopped", event.stopped
+        elif event.ok:
+            self.state, self.note = "done", ""
+        else:
+            self.state = "failed"
+            if self.failures:
+                self.note = self.failures[0].summary()
+            elif event.failed_ranks:
+                self.note = f"rank(s) {', '.join(map(str, event.failed_ranks))} failed"
+        for r in self.ranks.values():  # ranks the launcher ended without a word
+            if r.state in ("pending", "running") and not event.ok:
+                r.end("stopped", event.stopped or "the launch ended")

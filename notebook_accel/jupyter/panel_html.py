@@ -1,0 +1,104 @@
+"""The launch panel's HTML: status table, logs, header and tracebacks (no widgets here)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..launch import events as ev
+from .progress import ANSI, parse_bar
+from .style import esc, rank_color
+
+
+def view_rank(view) -> Optional[int]:
+    if isinstance(view, int):
+        return view
+    if view == "all":
+        return None
+    if isinstance(view, str) and view.startswith("rank-") and view[5:].isdigit():
+        return int(view[5:])
+    raise ValueError(f"view must be 'all', 'rank-R' or a rank number, got {view!r}")
+
+
+def current_lines(r) -> list:
+    return [text for _, text in sorted(r.current.items()) if parse_bar(text) is None]
+
+
+def _prefix(rank: int) -> str:
+    return f'<span class="nacc-prefix" style="color:{rank_color(rank)}">[rank {rank}]</span> '
+
+
+def line_html(text: str, stream: str, rank: Optional[int] = None) -> str:
+    body = esc(ANSI.sub("", text))
+    if rank is not None:
+        body = _prefix(rank) + body
+    return f'<span class="nacc-err" title="stderr">{body}</span>' if stream == "stderr" else body
+
+
+def view_html(name: str, body: str, dropped: int, current: list) -> str:
+    parts = []
+    if dropped:
+        noun = "line" if dropped == 1 else "lines"
+        parts.append(f'<span class="nacc-note">… {dropped} earlier {noun} dropped</span>')
+    if body:
+        parts.append(body)
+    for rank, stream, text in current:
+        if parse_bar(text) is None:
+            line = line_html(text, stream, rank if name == "all" else None)
+            parts.append(f'<span class="nacc-current">{line}</span>')
+    if not parts:
+        parts.append('<span class="nacc-note">no output yet</span>')
+    content = "\n".join(parts)
+    return f'<div class="nacc-scroll"><pre class="nacc-log" data-view="{name}">{content}</pre></div>'
+
+
+def _seconds(value: Optional[float], running: bool) -> str:
+    if value is None:
+        return ""
+    return f"{value:.0f} s" if running else f"{value:.1f} s"
+
+
+def header_html(title: str, state: str, note: str, stopping: bool, elapsed: float) -> str:
+    if state == "pending":
+        text = "waiting for the launch"
+    elif state == "running":
+        text = f"{'stopping' if stopping else 'running'} · {_seconds(elapsed, True)}"
+    elif state == "done":
+        text = f"finished in {_seconds(elapsed, False)}"
+    elif state == "failed":
+        text = f"failed after {_seconds(elapsed, False)}"
+    else:
+        text = "stopped"
+    if note:
+        text += f": {note}" if state in ("failed", "stopped") else f" · {note}"
+    return (
+        f'<span class="nacc-title">{esc(title)}</span>'
+        f'<span class="nacc-launch-status" data-status="{state}">{esc(text)}</span>'
+    )
+
+
+def status_html(rows: list) -> str:
+    out = ['<table class="nacc-table"><tr><th>rank</th><th>pid</th><th>status</th><th>time</th></tr>']
+    for rank, pid, state, detail, elapsed in rows:
+        label = f"{state} ({detail})" if detail else state
+        out.append(
+            f'<tr><td><span class="nacc-prefix" style="color:{rank_color(rank)}">{rank}</span></td>'
+            f"<td>{pid if pid is not None else ''}</td>"
+            f'<td><span class="nacc-status" data-rank="{rank}" data-status="{state}">{esc(label)}</span></td>'
+            f"<td>{_seconds(elapsed, state == 'running')}</td></tr>"
+        )
+    out.append("</table>")
+    return "".join(out)
+
+
+def traceback_html(failure: ev.RankFailed, tail: list) -> str:
+    if failure.traceback:
+        detail = failure.traceback.rstrip("\n")
+    elif tail:
+        detail = "last output:\n" + "\n".join(text for _, text in tail)
+    else:
+        detail = ""
+    pre = f"<pre>{esc(ANSI.sub('', detail))}</pre>" if detail else ""
+    return (
+        f'<div class="nacc-traceback" data-rank="{failure.rank}">'
+        f'<div class="nacc-traceback-summary">{esc(failure.summary())}</div>{pre}</div>'
+    )

@@ -1,0 +1,44 @@
+"""What a front end lends a launch, registered from above so that launch/ never imports it.
+
+A launch asks here for its default sinks and for the way a traceback names notebook code. With
+nothing registered (a script, a terminal, a worker) it gets rank-prefixed text and plain tracebacks.
+`notebook_accel.jupyter` registers the live panel, the extension's comm sink and `Cell In[N]` labels.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+_sink_factory: Optional[Callable] = None
+_traceback_labeller: Optional[Callable] = None
+
+
+def register(sinks: Optional[Callable] = None, traceback_labeller: Optional[Callable] = None) -> None:
+    """`sinks(show_after)` returns the sinks for one launch (None: the console's default);
+    `traceback_labeller(text)` rewrites file names in a failure's text. Registering replaces."""
+    global _sink_factory, _traceback_labeller
+    if sinks is not None:
+        _sink_factory = sinks
+    if traceback_labeller is not None:
+        _traceback_labeller = traceback_labeller
+
+
+def default_sinks(show_after: float = 0.0) -> list:
+    """The sinks a launch gets when its caller names none. `show_after`: a panel may wait this many
+    seconds before it draws anything (session cells pass it, so a quick silent cell costs nothing)."""
+    from .sinks import ConsoleSink
+
+    if _sink_factory is not None:
+        sinks = _sink_factory(show_after)
+        if sinks is not None:
+            return list(sinks)
+    return [ConsoleSink()]
+
+
+def label_traceback(text: str) -> str:
+    if _traceback_labeller is None:
+        return text
+    try:
+        return _traceback_labeller(text)
+    except Exception:  # a label is a nicety: never lose the traceback over it
+        return text

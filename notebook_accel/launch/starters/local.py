@@ -1,0 +1,100 @@
+"""Ranks on this machine, started by fork, spawn or forkserver and watched by our own monitor.
+
+`start` is the one place that switches on the start method; launches (`run`) and interactive
+sessions both start their ranks through it.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import NamedTuple, Optional
+
+from .. import events as ev
+from .. import procs
+from ..errors import LaunchStoppedError
+
+
+class StartedRanks(NamedTuple):
+    handles: list  # procs.RankProcess, one per local rank, in local-rank order
+    warm: Optional[object]  # the WarmServer that forked them (forkserver), else None
+
+
+def start(plan, payload) -> StartedRanks:
+    """Start every local rank of `plan` running `payload`. If one fails to start, the ranks
+    already started are killed and reaped before the error goes up: nothing is left behind."""
+    warm = None
+    if plan.start_method == "fork":
+        from ... import state  # noqa: F401  (imported once here rather than in every forked rank)
+    else:
+        payload.pickled()  # pickled now: an unpicklable object is named before any process starts
+    if plan.start_method == "forkserver":
+        from ..warm import WarmServer
+
+        warm = WarmServer.get()
+    handles, requests = [], []
+    try:
+        for local_rank in range(plan.num_processes):
+            env = plan.rank_env(local_rank)
+            spec = (local_rank, int(env["RANK"]), env, plan.threads_per_process)
+            if plan.start_method == "fork":
+                handles.append(procs.start_fork(*spec, payload.function, payload.args))
+            elif plan.start_method == "spawn":
+                handles.append(procs.start_spawn(*spec, payload.pickled()))
+            else:
+                requests.append((*spec, payload.pickled()))
+        if requests:
+            handles.extend(warm.start_ranks(requests))
+    except BaseException:
+        kill(handles, warm)
+        for h in handles:
+            h.close()
+        raise
+    return StartedRanks(handles, warm)
+
+
+def kill(handles: list, warm, seconds: float = 5.0) -> None:
+    """SIGKILL every rank (and its process group) and wait up to `seconds` until each has exited."""
+    for h in handles:
+        h.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + seconds
+    for h in handles:
+        while h.poll() is None and time.monotonic() < deadline:
+            if warm is not None:
+                warm.pump()
+            time.sleep(0.01)
+
+
+def run(plan, payload, sink, control) -> list:
+    from ..monitor import Monitor
+
+    if plan.start_method != "fork":
+        payload.pickled()  # before LaunchStarted: a launch that cannot start shows no panel
+    started = time.monotonic()
+    sink.handle(ev.LaunchStarted(plan.num_processes, plan.start_method, plan.world_size, plan.node_rank))
+    ranks = None
+    try:
+        ranks = start(plan, payload)
+        control.start()
+        results = Monitor(ranks.handles, plan, sink, warm=ranks.warm, control=control).run()
+    except BaseException as exc:
+        # KeyboardInterrupt, a failure while starting, or a rank failure: leave no process behind.
+        if ranks is not None:
+            kill(ranks.handles, ranks.warm)
+            for h in ranks.handles:
+                h.close()
+        sink.handle(ev.LaunchFinished(False, time.monotonic() - started, _failed(exc), _stopped(exc)))
+        raise
+    sink.handle(ev.LaunchFinished(True, time.monotonic() - started))
+    return results
+
+
+def _stopped(exc: BaseException) -> str:
+    if isinstance(exc, LaunchStoppedError):
+        return exc.reason
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else ""
+
+
+def _failed(exc: BaseException) -> tuple:
+    reports = getattr(exc, "reports", None)
+    return tuple(sorted(reports)) if reports else ()

@@ -1,0 +1,108 @@
+"""The one rank channel: frames and lines in, typed events out (launch/channel.py), and the hooks
+a front end registers so that launch/ never imports it (launch/frontend.py)."""
+
+import os
+import pickle
+import subprocess
+import sys
+
+from notebook_accel.launch import events as ev
+from notebook_accel.launch.channel import HEADER, FrameBuffer, RankChannel, encode
+
+
+def test_frames_split_anywhere_come_out_whole_and_in_order():
+    data = encode(("started", 11)) + encode(("result", b"x" * 70000)) + encode(("error", {"a": 1}))
+    buf, out = FrameBuffer(), []
+    for i in range(0, len(data), 7):
+        out += buf.feed(data[i : i + 7])
+    assert out == [("started", 11), ("result", b"x" * 70000), ("error", {"a": 1})]
+    assert not buf.buf
+
+
+def test_a_frame_is_a_length_then_a_pickle():
+    frame = encode(("started", 5))
+    (size,) = HEADER.unpack_from(frame)
+    assert size == len(frame) - HEADER.size
+    assert pickle.loads(frame[HEADER.size :]) == ("started", 5)
+
+
+def test_a_rank_channel_turns_streams_into_events():
+    chan = RankChannel(3)
+    assert chan.feed("ctrl", encode(("started", 42))) == [ev.RankStarted(3, 42)]
+    assert chan.feed("stdout", b"one\ntw") == [ev.RankOutput(3, "stdout", "one")]
+    # a bare \r ends a redraw: shown as transient, replaced by the next line of that stream
+    assert chan.feed("stderr", b"50%\r") == [ev.RankOutput(3, "stderr", "50%", True)]
+    assert chan.outcome is None
+    chan.feed("ctrl", encode(("result", b"r")))
+    assert chan.outcome == "result" and chan.result == b"r" and chan.pid == 42
+    # a stream that ends gives up its partial line as a whole one
+    assert chan.feed("stdout", b"") == [ev.RankOutput(3, "stdout", "tw")]
+    assert chan.open == {"stderr", "ctrl"}
+
+
+def test_an_error_outcome_wins_and_keeps_its_report():
+    chan = RankChannel(0)
+    report = {"exc_type": "ValueError", "message": "bad", "traceback": "tb"}
+    chan.feed("ctrl", encode(("error", report)))
+    assert chan.outcome == "error" and chan.error == report
+
+
+def test_the_frame_format_is_parsed_in_one_module_only():
+    package = os.path.join(os.path.dirname(ev.__file__), "..")
+    readers = []
+    for folder, _, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                text = open(path).read()
+                if 'Struct("!Q")' in text or "_HEADER.unpack" in text or "_CTRL.unpack" in text:
+                    readers.append(os.path.relpath(path, package))
+    assert readers == [os.path.join("launch", "channel.py")]
+
+
+def _python(code: str, **env) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_a_launch_outside_a_kernel_gets_the_console():
+    out = _python(
+        "from notebook_accel.launch import frontend\n"
+        "print([type(s).__name__ for s in frontend.default_sinks()])\n"
+        "print(frontend.label_traceback('File \"/tmp/ipykernel_1/2.py\"'))"
+    )
+    assert out.splitlines() == ["['ConsoleSink']", 'File "/tmp/ipykernel_1/2.py"']
+
+
+def test_a_registered_front_end_chooses_the_sinks_and_labels():
+    out = _python(
+        "from notebook_accel.launch import frontend\n"
+        "from notebook_accel.launch.sinks import ListSink\n"
+        "frontend.register(sinks=lambda after: [ListSink()] if after else None,"
+        " traceback_labeller=lambda t: t.upper())\n"
+        "print([type(s).__name__ for s in frontend.default_sinks(0.5)])\n"
+        "print([type(s).__name__ for s in frontend.default_sinks()])\n"
+        "print(frontend.label_traceback('cell'))"
+    )
+    assert out.splitlines() == ["['ListSink']", "['ConsoleSink']", "CELL"]
+
+
+def test_registering_in_a_kernel_stays_cheap():
+    # `import notebook_accel` in a kernel registers the front end; it must not import torch,
+    # IPython or ipywidgets (a kernel's first import, and every forked worker, would pay for it).
+    out = _python(
+        "import sys, types\n"
+        "sys.modules['ipykernel'] = types.ModuleType('ipykernel')\n"
+        "import notebook_accel\n"
+        "from notebook_accel.launch import frontend\n"
+        "print(frontend._sink_factory is not None)\n"
+        "print(sorted(m for m in ('torch', 'IPython', 'ipywidgets') if m in sys.modules))"
+    )
+    assert out.splitlines() == ["True", "[]"]

@@ -15,6 +15,38 @@ from typing import Optional
 from .errors import LaunchConfigError
 
 
+class Wakeup:
+    """A pipe a selector watches, so that any thread can wake the loop sleeping in select()."""
+
+    def __init__(self):
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._write, b"w")
+        except OSError:  # pipe full (already woken) or closed (the loop is over)
+            pass
+
+    def fileno(self) -> int:
+        return self._read
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._read, 512):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class LaunchControl:
     def __init__(self, timeout: Optional[float] = None):
         if timeout is not None:
@@ -27,9 +59,7 @@ class LaunchControl:
         self.reason = ""
         self.timed_out = False
         self._lock = threading.Lock()
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
+        self._wakeup = Wakeup()
 
     def start(self) -> None:
         """The clock starts when the ranks do."""
@@ -41,20 +71,13 @@ class LaunchControl:
         with self._lock:
             if not self.reason:
                 self.reason = reason
-        try:
-            os.write(self._write, b"s")
-        except OSError:  # pipe full (already woken) or closed (launch over)
-            pass
+        self._wakeup.wake()
 
     def fileno(self) -> int:
-        return self._read
+        return self._wakeup.fileno()
 
     def drain(self) -> None:
-        try:
-            while os.read(self._read, 512):
-                pass
-        except OSError:
-            pass
+        self._wakeup.drain()
 
     def check(self, now: float) -> str:
         """The stop reason, if any; passing the deadline is one."""
@@ -70,8 +93,4 @@ class LaunchControl:
         return max(0.0, min(default, self.deadline - now))
 
     def close(self) -> None:
-        for fd in (self._read, self._write):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wakeup.close()

@@ -9,7 +9,7 @@ from . import frontend, starters
 from .control import LaunchControl
 from .errors import LaunchFailedError
 from .payload import Payload
-from .plan import LaunchPlan, default, make_plan
+from .plan import ONE_MACHINE, LaunchPlan, default, make_plan
 from .sinks import Fanout
 
 
@@ -84,19 +84,8 @@ def notebook_launcher(
 
 def debug_launcher(function, args=(), num_processes: int = 2) -> list:
     """Run on `num_processes` CPU processes with gloo (MULTI_CPU, distinct ranks), for debugging."""
-    # Every launch setting explicit: a config file for real runs must not turn this into one.
     return notebook_launcher(
-        function,
-        args,
-        num_processes=num_processes,
-        mixed_precision="no",
-        use_port="auto",
-        master_addr="127.0.0.1",
-        node_rank=0,
-        num_nodes=1,
-        rdzv_backend="static",
-        max_restarts=0,
-        cpu=True,
+        function, args, num_processes=num_processes, mixed_precision="no", cpu=True, **ONE_MACHINE
     )
 
 

@@ -29,6 +29,18 @@ class _DefaultInt(int, _Default):
     pass
 
 
+# One machine, no agent: what a debug launch and an interactive session pass to make_plan, so a
+# config file written for real runs cannot turn them into multi-node or elastic ones.
+ONE_MACHINE = {
+    "use_port": "auto",
+    "master_addr": "127.0.0.1",
+    "node_rank": 0,
+    "num_nodes": 1,
+    "rdzv_backend": "static",
+    "max_restarts": 0,
+}
+
+
 def default(value):
     """A marked default for a launch argument (see is_default)."""
     return _DefaultInt(value) if isinstance(value, int) else _DefaultStr(value)

@@ -74,19 +74,14 @@ class Session:
         """Start the workers; returns once every one is connected and has said hello."""
         if self._pool is not None:
             raise SessionError("the session is already started; call restart() to start it afresh")
-        from ..launch.plan import default, make_plan
+        from ..launch.plan import ONE_MACHINE, default, make_plan
 
         plan = make_plan(
             num_processes=self.num_processes,
             mixed_precision=self.mixed_precision or default("no"),
-            use_port="auto",
-            master_addr="127.0.0.1",
-            node_rank=0,
-            num_nodes=1,
-            rdzv_backend="static",
-            max_restarts=0,
             start_method=self.start_method,
             cpu=self.cpu,
+            **ONE_MACHINE,
         )
         if plan.engine != "local":
             raise SessionError(f"interactive sessions need local processes, not the {plan.engine} engine")

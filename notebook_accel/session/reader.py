@@ -4,7 +4,6 @@ as it comes, so a worker never blocks on a full pipe however long or loud its ce
 
 from __future__ import annotations
 
-import os
 import selectors
 import socket
 import sys
@@ -12,6 +11,7 @@ import threading
 import traceback
 
 from ..launch.channel import recv_ready
+from ..launch.control import Wakeup
 from . import protocol
 
 MAX_UNBOUND = 64  # connections that have not said hello yet; more are refused
@@ -32,11 +32,9 @@ class Reader(threading.Thread):
         self.sel = selectors.DefaultSelector()
         self.unbound = 0
         self.running = True
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wakeup = Wakeup()
         self.sel.register(listener, selectors.EVENT_READ, ("listen", None))
-        self.sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        self.sel.register(self._wakeup.fileno(), selectors.EVENT_READ, ("wake", None))
         self.polled = []  # ranks with no exit fd: their exit is found by polling
         for r in ranks:
             for sock, kind in ((r.proc.out, "stdout"), (r.proc.err, "stderr"), (r.proc.ctrl, "ctrl")):
@@ -48,10 +46,7 @@ class Reader(threading.Thread):
 
     def stop(self) -> None:
         self.running = False
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self._wakeup.wake()
 
     def run(self) -> None:
         try:
@@ -61,7 +56,7 @@ class Reader(threading.Thread):
                     if kind == "listen":
                         self._accept(key.fileobj)
                     elif kind == "wake":
-                        self._drain_wake()
+                        self._wakeup.drain()
                     elif kind == "chan":
                         self._read_channel(item)
                     elif kind == "exit":
@@ -77,8 +72,7 @@ class Reader(threading.Thread):
             self.pool.on_reader_failed(exc)
         finally:
             self.sel.close()
-            for fd in (self._wake_r, self._wake_w):
-                os.close(fd)
+            self._wakeup.close()
 
     # -- channel --------------------------------------------------------------------------------
     def _accept(self, listener: socket.socket) -> None:
@@ -162,11 +156,4 @@ class Reader(threading.Thread):
         try:
             self.sel.unregister(fileobj)
         except (KeyError, ValueError):
-            pass
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 512):
-                pass
-        except OSError:
             pass

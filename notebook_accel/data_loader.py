@@ -15,14 +15,13 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
+from .loader_state import _END, DataLoaderStateMixin, _check_count
 from .samplers import (
-    _END,
     BatchSamplerShard,
-    DataLoaderStateMixin,
     IterableDatasetShard,
     SeedableRandomSampler,
     SkipBatchSampler,
-    _check_count,
+    check_rank,
     check_split_batch_size,
 )
 from .state import PartialState
@@ -409,10 +408,7 @@ def prepare_data_loader(
     state = PartialState()
     num_processes = state.num_processes if num_processes is None else num_processes
     process_index = state.process_index if process_index is None else process_index
-    if not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes={num_processes!r}: pass a whole number >= 1.")
-    if not isinstance(process_index, int) or not 0 <= process_index < num_processes:
-        raise ValueError(f"process_index={process_index!r} is not a rank of a {num_processes}-process job.")
+    check_rank(num_processes, process_index)
     dataset = dataloader.dataset
     iterable = isinstance(dataset, IterableDataset)
     if dispatch_batches is None:

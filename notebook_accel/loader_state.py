@@ -10,7 +10,7 @@ import itertools
 from typing import Optional
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from .samplers import SeedableRandomSampler
 from .state import GradientState
@@ -83,6 +83,27 @@ class DataLoaderStateMixin:
     is the whole epoch, as in accelerate, and an explicit skip_first_batches replaces it.
     """
 
+    def __init__(
+        self,
+        dataset,
+        skip_batches: int = 0,
+        use_stateful_dataloader: bool = False,
+        _drop_last: bool = False,
+        _non_blocking: bool = False,
+        torch_device_mesh=None,
+        **kwargs,
+    ) -> None:
+        """The keywords both loaders take (accelerate's names); the rest go to torch's DataLoader."""
+        if torch_device_mesh is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}(torch_device_mesh=...): tensor-parallel loading is not supported."
+            )
+        DataLoader.__init__(self, dataset, **kwargs)
+        self.use_stateful_dataloader = use_stateful_dataloader
+        self._drop_last = _drop_last
+        self._non_blocking = _non_blocking
+        self._init_state(skip_batches)
+
     def _init_state(self, skip_batches: int) -> None:
         self.end_of_dataloader = False
         self.remainder = -1
@@ -140,6 +161,10 @@ class DataLoaderStateMixin:
             self.iteration += 1
             self._position = 0
             self._epoch_rng = None
+
+    def _batch_sampler(self):
+        """The batch sampler, also when the user passed it as `sampler` (with batch_size=None)."""
+        return self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
 
     def _innermost_sampler(self):
         chain = _sampler_chain(self)

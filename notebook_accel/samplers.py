@@ -69,6 +69,18 @@ def check_split_batch_size(batch_size, num_processes: int) -> None:
         )
 
 
+def _set_share(share, batch_size, num_processes: int, process_index: int, split_batches: bool) -> None:
+    """Check and record which part of the data a shard (of batches or of a dataset) is: rank
+    `process_index`'s of `num_processes`, by whole batches or, with split_batches, within each."""
+    check_rank(num_processes, process_index)
+    if split_batches:
+        check_split_batch_size(batch_size, num_processes)
+    share.batch_size = batch_size
+    share.num_processes = num_processes
+    share.process_index = process_index
+    share.split_batches = split_batches
+
+
 def _fill(indices: list, pool: list, size: int) -> list:
     """`indices` completed to `size` items with items of `pool`, cycling it if it is short."""
     out = list(indices)
@@ -110,16 +122,11 @@ class BatchSamplerShard(_WrappedBatchSampler):
         split_batches: bool = False,
         even_batches: bool = True,
     ) -> None:
-        check_rank(num_processes, process_index)
+        batch_size = getattr(batch_sampler, "batch_size", None)
+        _set_share(self, batch_size, num_processes, process_index, split_batches)
         self.batch_sampler = batch_sampler
-        self.num_processes = num_processes
-        self.process_index = process_index
-        self.split_batches = split_batches
         self.even_batches = even_batches
-        self.batch_size = getattr(batch_sampler, "batch_size", None)
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
-        if split_batches:
-            check_split_batch_size(self.batch_size, num_processes)
 
     def _num_indices(self) -> Optional[int]:
         try:
@@ -219,17 +226,11 @@ class IterableDatasetShard(IterableDataset):
         process_index: int = 0,
         split_batches: bool = False,
     ) -> None:
-        check_rank(num_processes, process_index)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"IterableDatasetShard(batch_size={batch_size!r}): pass a whole number >= 1.")
-        if split_batches:
-            check_split_batch_size(batch_size, num_processes)
+        _set_share(self, batch_size, num_processes, process_index, split_batches)
         self.dataset = dataset
-        self.batch_size = batch_size
         self.drop_last = drop_last
-        self.num_processes = num_processes
-        self.process_index = process_index
-        self.split_batches = split_batches
         self.epoch = 0
 
     @property

@@ -1,5 +1,5 @@
-"""Accelerator: the facade a training loop talks to. Thin on purpose: the work lives in
-data_loader.py, optimizer.py, scheduler.py, precision.py, checkpointing.py and tracking.py."""
+"""Accelerator: the facade a training loop talks to. Thin on purpose: the work lives in data_loader.py,
+optimizer.py, scheduler.py, precision.py, model_wrapping.py, checkpointing.py and tracking.py."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ from typing import Any, Optional
 
 import torch
 
-from . import precision
+from . import model_wrapping, precision
 from .state import AcceleratorState, GradientState
 from .utils import operations as ops
 from .utils.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
-    DistributedType,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -25,11 +24,19 @@ from .utils.dataclasses import (
     TorchDynamoPlugin,
 )
 
-_DISTRIBUTED_DDP = (
-    DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU, DistributedType.MULTI_NPU,
-    DistributedType.MULTI_MLU, DistributedType.MULTI_SDAA, DistributedType.MULTI_MUSA, DistributedType.MULTI_HPU,
-)  # fmt: skip
 _UNSET = object()
+
+
+def _forward(owner: str, name: str, settable: bool = False) -> property:
+    """A property that reads (and, if settable, writes) `self.<owner>.<name>`."""
+
+    def get(self):
+        return getattr(getattr(self, owner), name)
+
+    def set_(self, value) -> None:
+        setattr(getattr(self, owner), name, value)
+
+    return property(get, set_ if settable else None, doc=f"`self.{owner}.{name}`")
 
 
 class Accelerator:
@@ -57,10 +64,15 @@ class Accelerator:
         dynamo_backend=None,
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
     ) -> None:
-        for name, plugin in (("deepspeed_plugin", deepspeed_plugin), ("fsdp_plugin", fsdp_plugin),
-                             ("megatron_lm_plugin", megatron_lm_plugin)):  # fmt: skip
+        for name, plugin in (
+            ("deepspeed_plugin", deepspeed_plugin),
+            ("fsdp_plugin", fsdp_plugin),
+            ("megatron_lm_plugin", megatron_lm_plugin),
+        ):
             if plugin is not None:
-                raise NotImplementedError(f"{name} is not supported by notebook_accel yet; remove it to train with DDP.")
+                raise NotImplementedError(
+                    f"{name} is not supported by notebook_accel yet; remove it to train with DDP."
+                )
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
@@ -78,9 +90,12 @@ class Accelerator:
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler else {}
         existed = bool(AcceleratorState._shared_state)
         self.state = AcceleratorState(
-            mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=self.dynamo_plugin, _from_accelerator=True,
+            mixed_precision=mixed_precision,
+            cpu=cpu,
+            dynamo_plugin=self.dynamo_plugin,
+            _from_accelerator=True,
             **init_kwargs,
-        )  # fmt: skip
+        )
         try:
             precision.check_precision_supported(self.state.mixed_precision, self.device)
         except ValueError:
@@ -124,81 +139,24 @@ class Accelerator:
             self.log_with = filter_trackers(log_with, self.logging_dir)
 
     # -- where we are -----------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.state.device
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        return self.state.distributed_type
-
-    @property
-    def num_processes(self) -> int:
-        return self.state.num_processes
-
-    @property
-    def process_index(self) -> int:
-        return self.state.process_index
-
-    @property
-    def local_process_index(self) -> int:
-        return self.state.local_process_index
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.state.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.state.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.state.is_last_process
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.state.use_distributed
-
-    @property
-    def mixed_precision(self) -> str:
-        return self.state.mixed_precision
-
-    @property
-    def split_batches(self) -> bool:
-        return self.dataloader_config.split_batches
-
-    @property
-    def even_batches(self) -> bool:
-        return self.dataloader_config.even_batches
-
-    @even_batches.setter
-    def even_batches(self, value: bool) -> None:
-        self.dataloader_config.even_batches = value
-
-    @property
-    def dispatch_batches(self):
-        return self.dataloader_config.dispatch_batches
-
-    @property
-    def use_seedable_sampler(self) -> bool:
-        return self.dataloader_config.use_seedable_sampler
-
-    @property
-    def non_blocking(self) -> bool:
-        return self.dataloader_config.non_blocking
-
-    @property
-    def project_dir(self):
-        return self.project_configuration.project_dir
-
-    @property
-    def logging_dir(self):
-        return self.project_configuration.logging_dir
-
-    @property
-    def save_iteration(self) -> int:
-        return self.project_configuration.iteration
+    device = _forward("state", "device")
+    distributed_type = _forward("state", "distributed_type")
+    num_processes = _forward("state", "num_processes")
+    process_index = _forward("state", "process_index")
+    local_process_index = _forward("state", "local_process_index")
+    is_main_process = _forward("state", "is_main_process")
+    is_local_main_process = _forward("state", "is_local_main_process")
+    is_last_process = _forward("state", "is_last_process")
+    use_distributed = _forward("state", "use_distributed")
+    mixed_precision = _forward("state", "mixed_precision")
+    split_batches = _forward("dataloader_config", "split_batches")
+    even_batches = _forward("dataloader_config", "even_batches", settable=True)
+    dispatch_batches = _forward("dataloader_config", "dispatch_batches")
+    use_seedable_sampler = _forward("dataloader_config", "use_seedable_sampler")
+    non_blocking = _forward("dataloader_config", "non_blocking")
+    project_dir = _forward("project_configuration", "project_dir")
+    logging_dir = _forward("project_configuration", "logging_dir")
+    save_iteration = _forward("project_configuration", "iteration")
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -246,7 +204,9 @@ class Accelerator:
             return self.prepare_scheduler(obj)
         return obj
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None, evaluation_mode=False):
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: Optional[bool] = None, evaluation_mode=False
+    ):
         if device_placement is None:
             device_placement = self.device_placement
         self._models.append(model)
@@ -255,19 +215,12 @@ class Accelerator:
         if self.mixed_precision == "fp8":
             model = precision.prepare_fp8_model(model)
         elif self.mixed_precision != "no":
-            precision.patch_forward_for_autocast(model, self.mixed_precision, self.device, self.autocast_handler)
-        if not evaluation_mode and self.distributed_type in _DISTRIBUTED_DDP and self.use_distributed:
-            if any(p.requires_grad for p in model.parameters()):
-                kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler else {}
-                hook, hook_state = kwargs.pop("comm_hook", None), kwargs.pop("comm_state", None)
-                ids = [self.local_process_index] if self.device.type not in ("cpu", "meta") else None
-                model = torch.nn.parallel.DistributedDataParallel(
-                    model, device_ids=ids, output_device=ids[0] if ids else None, **kwargs
-                )
-                if hook is not None:
-                    model.register_comm_hook(hook_state, hook)
-        if self.dynamo_plugin.backend not in ("no", None):
-            model = torch.compile(model, **self.dynamo_plugin.to_compile_kwargs())
+            precision.patch_forward_for_autocast(
+                model, self.mixed_precision, self.device, self.autocast_handler
+            )
+        model = model_wrapping.wrap_model(
+            model, self.state, self.ddp_handler, self.dynamo_plugin, evaluation_mode=evaluation_mode
+        )
         self._models[-1] = model
         return model
 
@@ -288,26 +241,38 @@ class Accelerator:
         inner = getattr(scheduler, "optimizer", None)
         optimizers = [opt for opt in self._optimizers if opt.optimizer is inner] or self._optimizers
         wrapped = AcceleratedScheduler(
-            scheduler, optimizers, step_with_optimizer=self.step_scheduler_with_optimizer,
+            scheduler,
+            optimizers,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
-        )  # fmt: skip
+        )
         self._schedulers.append(wrapped)
         return wrapped
 
-    def prepare_data_loader(self, data_loader, device_placement: Optional[bool] = None, slice_fn_for_dispatch=None):
+    def prepare_data_loader(
+        self, data_loader, device_placement: Optional[bool] = None, slice_fn_for_dispatch=None
+    ):
         from .data_loader import prepare_data_loader
 
         if device_placement is None:
             device_placement = self.device_placement
         config = self.dataloader_config
         prepared = prepare_data_loader(
-            data_loader, self.device, num_processes=self.num_processes, process_index=self.process_index,
-            split_batches=config.split_batches, put_on_device=device_placement, rng_types=list(self.rng_types),
-            dispatch_batches=config.dispatch_batches, even_batches=config.even_batches,
-            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=config.use_seedable_sampler,
-            data_seed=config.data_seed, non_blocking=config.non_blocking,
+            data_loader,
+            self.device,
+            num_processes=self.num_processes,
+            process_index=self.process_index,
+            split_batches=config.split_batches,
+            put_on_device=device_placement,
+            rng_types=list(self.rng_types),
+            dispatch_batches=config.dispatch_batches,
+            even_batches=config.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=config.use_seedable_sampler,
+            data_seed=config.data_seed,
+            non_blocking=config.non_blocking,
             use_stateful_dataloader=config.use_stateful_dataloader,
-        )  # fmt: skip
+        )
         self._dataloaders.append(prepared)
         return prepared
 
@@ -352,14 +317,20 @@ class Accelerator:
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler: Optional[AutocastKwargs] = None):
-        with precision.autocast_context(self.mixed_precision, self.device, autocast_handler or self.autocast_handler):
+        with precision.autocast_context(
+            self.mixed_precision, self.device, autocast_handler or self.autocast_handler
+        ):
             yield
 
     def unscale_gradients(self, optimizer=None) -> None:
         """Divide fp16-scaled gradients by the loss scale (once per step), e.g. before clipping."""
         if self.scaler is None:
             return
-        optimizers = self._optimizers if optimizer is None else list(optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        optimizers = (
+            self._optimizers
+            if optimizer is None
+            else list(optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        )
         for opt in optimizers:
             inner = getattr(opt, "optimizer", opt)
             if id(inner) not in self._unscaled:
@@ -448,7 +419,7 @@ class Accelerator:
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables, even_batches: Optional[bool] = None):
         """torch's Join for ranks with different numbers of batches (DDP models only)."""
-        if not (self.use_distributed and self.distributed_type in _DISTRIBUTED_DDP):
+        if not model_wrapping.uses_ddp(self.state):
             yield
             return
         from torch.distributed.algorithms.join import Join
@@ -470,15 +441,7 @@ class Accelerator:
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         """The user's module: without DDP (and torch.compile unless keep_torch_compile and it wraps
         the module directly); keep_fp32_wrapper=False also restores the original forward."""
-        compiled = getattr(model, "_orig_mod", None)
-        inner = compiled if compiled is not None else model
-        while isinstance(inner, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            inner = inner.module
-        if not keep_fp32_wrapper:
-            precision.restore_forward(inner)
-        if keep_torch_compile and compiled is not None and inner is compiled:
-            return model
-        return inner
+        return model_wrapping.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(self, model, unwrap: bool = True) -> dict:
         if unwrap:
@@ -507,8 +470,11 @@ class Accelerator:
 
     # -- checkpoints ------------------------------------------------------------------------
     def register_for_checkpointing(self, *objects) -> None:
-        bad = [f"object {i} ({type(o).__name__})" for i, o in enumerate(objects)
-               if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]  # fmt: skip
+        bad = [
+            f"object {i} ({type(o).__name__})"
+            for i, o in enumerate(objects)
+            if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
+        ]
         if bad:
             raise ValueError(
                 f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
@@ -527,14 +493,23 @@ class Accelerator:
         resume mid-epoch only with use_stateful_dataloader=True, else replay the epoch (see README)."""
         from .checkpointing import load_state
 
-        load_state(self, input_dir, map_location=kwargs.get("map_location", "cpu"), strict=kwargs.get("strict", True))
+        load_state(
+            self, input_dir, map_location=kwargs.get("map_location", "cpu"), strict=kwargs.get("strict", True)
+        )
 
-    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True) -> None:
+    def save_model(
+        self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True
+    ) -> None:
         from .checkpointing import save_model
 
         state_dict = self.get_state_dict(model)
-        save_model(state_dict, save_directory, max_shard_size=max_shard_size,
-                   safe_serialization=safe_serialization, is_main_process=self.is_main_process)  # fmt: skip
+        save_model(
+            state_dict,
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            is_main_process=self.is_main_process,
+        )
         self.wait_for_everyone()
 
     def save(self, obj, f, safe_serialization: bool = False) -> None:
@@ -549,11 +524,15 @@ class Accelerator:
             torch.save(obj, f)
 
     # -- tracking ---------------------------------------------------------------------------
-    def init_trackers(self, project_name: str, config: Optional[dict] = None, init_kwargs: Optional[dict] = None):
+    def init_trackers(
+        self, project_name: str, config: Optional[dict] = None, init_kwargs: Optional[dict] = None
+    ):
         from .tracking import make_trackers
 
         if self.is_main_process:
-            self.trackers = make_trackers(project_name, self.log_with or [], self.logging_dir, config, init_kwargs)
+            self.trackers = make_trackers(
+                project_name, self.log_with or [], self.logging_dir, config, init_kwargs
+            )
 
     def get_tracker(self, name: str, unwrap: bool = False):
         for tracker in self.trackers:
@@ -589,10 +568,11 @@ def _sort_handlers(handlers: list) -> dict:
     by_type: dict = {}
     for handler in handlers:
         if not isinstance(handler, KwargsHandler):
-            raise TypeError(f"kwargs_handlers takes KwargsHandler instances, got {type(handler).__name__}: {handler!r}.")
+            raise TypeError(
+                f"kwargs_handlers takes KwargsHandler instances, got {type(handler).__name__}: {handler!r}."
+            )
         kind = type(handler)
         if kind in by_type:
             raise ValueError(f"kwargs_handlers has two {kind.__name__} objects; pass one of each kind.")
         by_type[kind] = handler
     return by_type
-

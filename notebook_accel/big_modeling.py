@@ -159,17 +159,22 @@ def cpu_offload(
 ) -> nn.Module:
     """Keep the weights in CPU RAM (`state_dict`, by default the model's own) and the modules on
     the meta device; each module's weights go to `execution_device` only for its forward."""
-    if execution_device is None:
-        execution_device = _first_param_device(model)
     if state_dict is None:
         state_dict = {name: tensor.to("cpu") for name, tensor in model.state_dict().items()}
+    return _offload_modules(model, state_dict, execution_device, offload_buffers, preload_module_classes)
+
+
+def _offload_modules(model, weights_map, execution_device, offload_buffers, preload_module_classes):
+    """Hook every module of `model` to load its weights from `weights_map` only for its forward."""
+    if execution_device is None:
+        execution_device = _first_param_device(model)
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
     attach_align_device_hook(
         model,
         execution_device=execution_device,
         offload=True,
         offload_buffers=offload_buffers,
-        weights_map=state_dict,
+        weights_map=weights_map,
         preload_module_classes=preload_module_classes,
     )
     return model
@@ -207,21 +212,10 @@ def disk_offload(
     offload_dir = os.fspath(offload_dir)
     if not _has_offload_index(offload_dir):
         offload_state_dict(offload_dir, model.state_dict())
-    if execution_device is None:
-        execution_device = _first_param_device(model)
     weights_map = OffloadedWeightsLoader(save_folder=offload_dir)
     needed = _persistent_names(model, "", include_buffers=offload_buffers)
     _require_weights(weights_map, needed, f"the offload folder {offload_dir!r}")
-    add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
-    attach_align_device_hook(
-        model,
-        execution_device=execution_device,
-        offload=True,
-        offload_buffers=offload_buffers,
-        weights_map=weights_map,
-        preload_module_classes=preload_module_classes,
-    )
-    return model
+    return _offload_modules(model, weights_map, execution_device, offload_buffers, preload_module_classes)
 
 
 # -- dispatching a device map ------------------------------------------------------------------

@@ -15,14 +15,13 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
+from .loader_state import _END, DataLoaderStateMixin, _check_count
 from .samplers import (
-    _END,
     BatchSamplerShard,
-    DataLoaderStateMixin,
     IterableDatasetShard,
     SeedableRandomSampler,
     SkipBatchSampler,
-    _check_count,
+    check_rank,
     check_split_batch_size,
 )
 from .state import PartialState
@@ -75,25 +74,13 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         device=None,
         rng_types=None,
         synchronized_generator: Optional[torch.Generator] = None,
-        skip_batches: int = 0,
-        use_stateful_dataloader: bool = False,
-        _drop_last: bool = False,
-        _non_blocking: bool = False,
-        torch_device_mesh=None,
         **kwargs,
     ) -> None:
-        if torch_device_mesh is not None:
-            raise NotImplementedError(
-                "DataLoaderShard(torch_device_mesh=...): tensor-parallel loading is not supported."
-            )
+        # skip_batches, use_stateful_dataloader, ... are DataLoaderStateMixin's keywords.
         super().__init__(dataset, **kwargs)
         self.device = device
         self.synchronized_generator = synchronized_generator
         self.rng_types = _rng_types_for(rng_types, synchronized_generator)
-        self.use_stateful_dataloader = use_stateful_dataloader
-        self._drop_last = _drop_last
-        self._non_blocking = _non_blocking
-        self._init_state(skip_batches)
 
     def __len__(self) -> int:
         return max(0, DataLoader.__len__(self) - self.skip_batches)
@@ -120,9 +107,6 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
             self._epoch_done = True
         finally:
             self.end()
-
-    def _batch_sampler(self):
-        return self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
 
     def _padded_remainder(self) -> int:
         sampler, dataset = self._batch_sampler(), self.dataset
@@ -181,27 +165,14 @@ class DataLoaderDispatcher(DataLoaderStateMixin, DataLoader):
         self,
         dataset,
         split_batches: bool = False,
-        skip_batches: int = 0,
-        use_stateful_dataloader: bool = False,
-        _drop_last: bool = False,
-        _non_blocking: bool = False,
         slice_fn: Optional[Callable] = None,
-        torch_device_mesh=None,
         **kwargs,
     ) -> None:
-        if torch_device_mesh is not None:
-            raise NotImplementedError(
-                "DataLoaderDispatcher(torch_device_mesh=...): tensor-parallel loading is not supported."
-            )
-        super().__init__(dataset, **kwargs)
+        super().__init__(dataset, **kwargs)  # DataLoaderStateMixin's keywords, then torch's
         self.split_batches = split_batches
-        self.use_stateful_dataloader = use_stateful_dataloader
-        self._drop_last = _drop_last
-        self._non_blocking = _non_blocking
         self.slice_fn = slice_tensors if slice_fn is None else slice_fn
         self.rng_types = []  # only rank 0 draws an order: nothing to keep in step
         self.synchronized_generator = None
-        self._init_state(skip_batches)
         if split_batches:
             check_split_batch_size(self._base_batch_size(), self.state.num_processes)
 
@@ -211,11 +182,11 @@ class DataLoaderDispatcher(DataLoaderStateMixin, DataLoader):
         return PartialState()
 
     def _base_batch_size(self) -> Optional[int]:
-        sampler = self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
+        sampler = self._batch_sampler()
         return getattr(sampler, "batch_size", None) if sampler is not None else self.batch_size
 
     def _drops_last(self) -> bool:
-        sampler = self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
+        sampler = self._batch_sampler()
         return bool(self._drop_last or self.drop_last or getattr(sampler, "drop_last", False))
 
     def __len__(self) -> int:
@@ -409,10 +380,7 @@ def prepare_data_loader(
     state = PartialState()
     num_processes = state.num_processes if num_processes is None else num_processes
     process_index = state.process_index if process_index is None else process_index
-    if not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes={num_processes!r}: pass a whole number >= 1.")
-    if not isinstance(process_index, int) or not 0 <= process_index < num_processes:
-        raise ValueError(f"process_index={process_index!r} is not a rank of a {num_processes}-process job.")
+    check_rank(num_processes, process_index)
     dataset = dataloader.dataset
     iterable = isinstance(dataset, IterableDataset)
     if dispatch_batches is None:
@@ -463,9 +431,13 @@ def prepare_data_loader(
         else:
             kwargs.update(batch_sampler=batch_sampler)
         return DataLoaderDispatcher(
-            dataset, split_batches=split_batches, slice_fn=slice_fn_for_dispatch, torch_device_mesh=torch_device_mesh,
-            **common, **kwargs,
-        )  # fmt: skip
+            dataset,
+            split_batches=split_batches,
+            slice_fn=slice_fn_for_dispatch,
+            torch_device_mesh=torch_device_mesh,
+            **common,
+            **kwargs,
+        )
 
     if iterable:
         if num_processes > 1:
@@ -474,9 +446,13 @@ def prepare_data_loader(
                     "Sharding an IterableDataset needs the DataLoader's batch_size, but it is None: set a batch_size."
                 )
             dataset = IterableDatasetShard(
-                dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
-                num_processes=num_processes, process_index=process_index, split_batches=split_batches,
-            )  # fmt: skip
+                dataset,
+                batch_size=dataloader.batch_size,
+                drop_last=dataloader.drop_last,
+                num_processes=num_processes,
+                process_index=process_index,
+                split_batches=split_batches,
+            )
         per_process = dataloader.batch_size
         if split_batches and per_process is not None:
             per_process //= num_processes

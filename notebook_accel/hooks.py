@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Optional, Union
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -394,6 +395,35 @@ def attach_execution_device_hook(
         )
 
 
+@dataclass(frozen=True)
+class _HookSettings:
+    """The settings attach_align_device_hook(_on_blocks) pass unchanged down the module tree."""
+
+    execution_device: Any = None
+    offload: Any = False
+    weights_map: Optional[Mapping] = None
+    offload_buffers: bool = False
+    skip_keys: Any = None
+    preload_module_classes: Optional[list] = None
+    tied_params_map: Optional[dict] = None
+
+    def hook(self, execution_device, **options) -> AlignDevicesHook:
+        """An AlignDevicesHook on `execution_device` with these skip_keys and tied weights."""
+        return AlignDevicesHook(
+            execution_device, skip_keys=self.skip_keys, tied_params_map=self.tied_params_map, **options
+        )
+
+    def preloads(self, module: nn.Module) -> bool:
+        return (
+            self.preload_module_classes is not None
+            and module.__class__.__name__ in self.preload_module_classes
+        )
+
+
+def _child_name(module_name: str, child_name: str) -> str:
+    return f"{module_name}.{child_name}" if module_name else child_name
+
+
 def attach_align_device_hook(
     module: nn.Module,
     execution_device: Optional[DeviceLike] = None,
@@ -411,36 +441,36 @@ def attach_align_device_hook(
     whose class is in `preload_module_classes` is offloaded as one unit: its whole subtree loads
     before its forward (needed when a module reads a child's weights outside the child's forward).
     """
-    has_direct_tensors = next(iter(named_module_tensors(module)), None) is not None
-    full_offload = (
-        offload and preload_module_classes is not None and module.__class__.__name__ in preload_module_classes
+    settings = _HookSettings(
+        execution_device,
+        offload,
+        weights_map,
+        offload_buffers,
+        skip_keys,
+        preload_module_classes,
+        tied_params_map,
     )
+    _attach_align(module, module_name, settings)
+
+
+def _attach_align(module: nn.Module, module_name: str, settings: _HookSettings) -> None:
+    has_direct_tensors = next(iter(named_module_tensors(module)), None) is not None
+    full_offload = settings.offload and settings.preloads(module)
     if has_direct_tensors or full_offload:
         prefix = f"{module_name}." if module_name else ""
-        hook = AlignDevicesHook(
-            execution_device=execution_device,
-            offload=offload,
+        weights_map = settings.weights_map
+        hook = settings.hook(
+            settings.execution_device,
+            offload=settings.offload,
             weights_map=PrefixedDataset(weights_map, prefix) if weights_map is not None else None,
-            offload_buffers=offload_buffers,
+            offload_buffers=settings.offload_buffers,
             place_submodules=full_offload,
-            skip_keys=skip_keys,
-            tied_params_map=tied_params_map,
         )
         add_hook_to_module(module, hook, append=True)
     if full_offload:
         return
     for child_name, child in module.named_children():
-        attach_align_device_hook(
-            child,
-            execution_device=execution_device,
-            offload=offload,
-            weights_map=weights_map,
-            offload_buffers=offload_buffers,
-            module_name=f"{module_name}.{child_name}" if module_name else child_name,
-            skip_keys=skip_keys,
-            preload_module_classes=preload_module_classes,
-            tied_params_map=tied_params_map,
-        )
+        _attach_align(child, _child_name(module_name, child_name), settings)
 
 
 def attach_align_device_hook_on_blocks(
@@ -461,98 +491,58 @@ def attach_align_device_hook_on_blocks(
     weights; an offloaded block streams its weights from `weights_map`. The root module (name "")
     always returns outputs on the device its inputs came from.
     """
+    settings = _HookSettings(
+        execution_device,
+        offload,
+        weights_map,
+        offload_buffers,
+        skip_keys,
+        preload_module_classes,
+        tied_params_map,
+    )
     if not isinstance(execution_device, Mapping) and not isinstance(offload, Mapping):
         if not offload:
             add_hook_to_module(
-                module,
-                AlignDevicesHook(
-                    execution_device,
-                    io_same_device=True,
-                    skip_keys=skip_keys,
-                    place_submodules=True,
-                    tied_params_map=tied_params_map,
-                ),
+                module, settings.hook(execution_device, io_same_device=True, place_submodules=True)
             )
-        else:
-            attach_align_device_hook(
-                module,
-                execution_device,
-                offload=True,
-                weights_map=weights_map,
-                offload_buffers=offload_buffers,
-                module_name=module_name,
-                skip_keys=skip_keys,
-                tied_params_map=tied_params_map,
-            )
+        else:  # one offloaded block: no module of it is preloaded as a unit
+            _attach_align(module, module_name, replace(settings, offload=True, preload_module_classes=None))
         return
     if not isinstance(execution_device, Mapping):
         execution_device = {key: execution_device for key in offload}
     if not isinstance(offload, Mapping):
         offload = {key: offload for key in execution_device}
+    _attach_blocks(module, module_name, replace(settings, execution_device=execution_device, offload=offload))
 
-    if module_name in execution_device and module_name in offload and not offload[module_name]:
-        device = execution_device[module_name]
-        hook = AlignDevicesHook(
-            execution_device=device,
-            offload_buffers=offload_buffers,
-            io_same_device=(module_name == ""),
-            place_submodules=True,
-            skip_keys=skip_keys,
-            tied_params_map=tied_params_map,
-        )
-        add_hook_to_module(module, hook)
-        attach_execution_device_hook(module, device, skip_keys=skip_keys, tied_params_map=tied_params_map)
-        return
-    if module_name in execution_device and module_name in offload:
-        device = execution_device[module_name]
-        attach_align_device_hook(
-            module,
-            execution_device=device,
-            offload=True,
-            weights_map=weights_map,
-            offload_buffers=offload_buffers,
-            module_name=module_name,
-            skip_keys=skip_keys,
-            preload_module_classes=preload_module_classes,
-            tied_params_map=tied_params_map,
-        )
-        if "_hf_hook" not in module.__dict__:
-            add_hook_to_module(
-                module,
-                AlignDevicesHook(
-                    device,
-                    io_same_device=(module_name == ""),
-                    skip_keys=skip_keys,
-                    tied_params_map=tied_params_map,
-                ),
+
+def _attach_blocks(module: nn.Module, module_name: str, settings: _HookSettings) -> None:
+    devices, offload, is_root = settings.execution_device, settings.offload, module_name == ""
+    if module_name in devices and module_name in offload:
+        device = devices[module_name]
+        if not offload[module_name]:
+            hook = settings.hook(
+                device,
+                offload_buffers=settings.offload_buffers,
+                io_same_device=is_root,
+                place_submodules=True,
             )
+            add_hook_to_module(module, hook)
+            attach_execution_device_hook(
+                module, device, skip_keys=settings.skip_keys, tied_params_map=settings.tied_params_map
+            )
+            return
+        _attach_align(module, module_name, replace(settings, execution_device=device, offload=True))
+        if "_hf_hook" not in module.__dict__:
+            add_hook_to_module(module, settings.hook(device, io_same_device=is_root))
         attach_execution_device_hook(
             module,
             device,
-            skip_keys=skip_keys,
-            preload_module_classes=preload_module_classes,
-            tied_params_map=tied_params_map,
+            skip_keys=settings.skip_keys,
+            preload_module_classes=settings.preload_module_classes,
+            tied_params_map=settings.tied_params_map,
         )
         return
-    if module_name == "":
-        add_hook_to_module(
-            module,
-            AlignDevicesHook(
-                execution_device.get(""),
-                io_same_device=True,
-                skip_keys=skip_keys,
-                tied_params_map=tied_params_map,
-            ),
-        )
+    if is_root:
+        add_hook_to_module(module, settings.hook(devices.get(""), io_same_device=True))
     for child_name, child in module.named_children():
-        attach_align_device_hook_on_blocks(
-            child,
-            execution_device=execution_device,
-            offload=offload,
-            weights_map=weights_map,
-            offload_buffers=offload_buffers,
-            module_name=f"{module_name}.{child_name}" if module_name else child_name,
-            skip_keys=skip_keys,
-            preload_module_classes=preload_module_classes,
-            tied_params_map=tied_params_map,
-        )
+        _attach_blocks(child, _child_name(module_name, child_name), settings)

@@ -56,6 +56,14 @@ def _xla_reduce_gradients(optimizer: torch.optim.Optimizer, world_size: int) -> 
     xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / world_size)
 
 
+def _wrapped_attribute(name: str) -> property:
+    """The wrapped optimizer's attribute `name`, read and written through (schedulers assign them)."""
+    return property(
+        lambda self: getattr(self.optimizer, name),
+        lambda self, value: setattr(self.optimizer, name, value),
+    )
+
+
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Wraps `optimizer`: step / zero_grad act only on gradient-sync steps; fp16 goes through `scaler`.
 
@@ -86,29 +94,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         # Looked up each time, not stored: a pickled copy must keep sharing the process's state.
         return GradientState()
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value) -> None:
-        self.optimizer.defaults = value
+    param_groups = _wrapped_attribute("param_groups")
+    state = _wrapped_attribute("state")
+    defaults = _wrapped_attribute("defaults")
 
     def add_param_group(self, param_group: dict) -> None:
         self.optimizer.add_param_group(param_group)

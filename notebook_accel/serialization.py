@@ -44,7 +44,9 @@ def _dedupe(state_dict: dict):
     unique, aliases, seen = {}, {}, {}
     for name, tensor in state_dict.items():
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor; only tensors are saved.")
+            raise TypeError(
+                f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor; only tensors are saved."
+            )
         if tensor.device.type == "meta":
             raise ValueError(
                 f"state_dict[{name!r}] is on the meta device (it has no data). Load or materialise the weights first."
@@ -52,7 +54,14 @@ def _dedupe(state_dict: dict):
         key = None
         if tensor.numel():
             storage = tensor.untyped_storage()
-            key = (tensor.device, storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            key = (
+                tensor.device,
+                storage.data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.stride(),
+                tensor.dtype,
+            )
         if key in seen:
             aliases[name] = seen[key]
             continue
@@ -99,7 +108,9 @@ def _read_weights(path: str, device="cpu") -> dict:
 
 # -- save_model / load_sharded_state_dict ---------------------------------------------------------
 
-_WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?(\.tmp)?$")
+_WEIGHT_FILE = re.compile(
+    r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?(\.tmp)?$"
+)
 
 
 def save_model(
@@ -139,13 +150,20 @@ def save_model(
         sizes[-1] += tensor.nbytes
     stem, ext = (MODEL_NAME, ".safetensors") if safe_serialization else (WEIGHTS_NAME, ".bin")
     count = len(shards)
-    names = [f"{stem}{ext}"] if count == 1 else [f"{stem}-{i + 1:05d}-of-{count:05d}{ext}" for i in range(count)]
+    names = (
+        [f"{stem}{ext}"] if count == 1 else [f"{stem}-{i + 1:05d}-of-{count:05d}{ext}" for i in range(count)]
+    )
     os.makedirs(save_directory, exist_ok=True)
     weight_map = {}
     for file, shard in zip(names, shards):
         members = set(shard)
         shard_aliases = {a: s for a, s in aliases.items() if s in members}
-        _write_weights({n: tensors[n] for n in shard}, shard_aliases, os.path.join(save_directory, file), safe_serialization)
+        _write_weights(
+            {n: tensors[n] for n in shard},
+            shard_aliases,
+            os.path.join(save_directory, file),
+            safe_serialization,
+        )
         weight_map.update({n: file for n in shard}, **{a: file for a in shard_aliases})
     written = list(names)
     if count > 1:

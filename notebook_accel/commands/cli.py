@@ -10,7 +10,9 @@ from . import config_cmd, env_cmd, launch_cmd, selfcheck
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="notebook-accel", description="Run PyTorch on N processes from a notebook.")
+    parser = argparse.ArgumentParser(
+        prog="notebook-accel", description="Run PyTorch on N processes from a notebook."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in (config_cmd, launch_cmd, env_cmd, selfcheck):
         module.add_parser(sub)

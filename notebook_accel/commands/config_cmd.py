@@ -13,20 +13,26 @@ import socket
 import sys
 
 from .. import config as cfg
+from .args import add_command
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*$")
 
 
+HELP = "answer a few questions and save them as the launch config"
+DESCRIPTION = (
+    "Ask about machines, devices, processes and precision, then write the launch config "
+    "(accelerate's YAML keys) that notebook_launcher and `notebook-accel launch` use by default."
+)
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "config", help="answer a few questions and save them as the launch config",
-        description="Ask about machines, devices, processes and precision, then write the launch config "
-        "(accelerate's YAML keys) that notebook_launcher and `notebook-accel launch` use by default.",
-    )  # fmt: skip
-    p.add_argument("--config_file", default=None,
-                   help=f"where to write (default: ${cfg.CONFIG_ENV}, else ~/.cache/notebook_accel/default_config.yaml)")  # fmt: skip
+    p = add_command(sub, "config", run, HELP, DESCRIPTION)
+    p.add_argument(
+        "--config_file",
+        default=None,
+        help=f"where to write (default: ${cfg.CONFIG_ENV}, else ~/.cache/notebook_accel/default_config.yaml)",
+    )
     p.add_argument("--default", action="store_true", help="write a config for this machine without asking")
-    p.set_defaults(run=run)
 
 
 class Aborted(Exception):

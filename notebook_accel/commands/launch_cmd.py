@@ -15,74 +15,61 @@ import sys
 import traceback
 
 from .. import config as cfg
+from .args import add_command, non_negative, port, positive, positive_seconds
+
+HELP = "run a script (or -m module) on N processes"
+DESCRIPTION = (
+    "Run a script on N processes (and M machines). Options left out come from the config file "
+    "(see `notebook-accel config`), else from this machine's hardware."
+)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "launch", help="run a script (or -m module) on N processes",
-        description="Run a script on N processes (and M machines). Options left out come from the config "
-        "file (see `notebook-accel config`), else from this machine's hardware.",
-    )  # fmt: skip
-    p.add_argument("--config_file", default=None, help="config to read (default: the one `notebook-accel config` wrote)")
-    p.add_argument("--num_processes", type=_positive, default=None,
-                   help="processes on all machines together (as accelerate counts them)")  # fmt: skip
-    p.add_argument("--num_machines", type=_positive, default=None, help="number of machines taking part")
-    p.add_argument("--machine_rank", type=_non_negative, default=None, help="rank of this machine (0 is the main one)")
+    p = add_command(sub, "launch", run, HELP, DESCRIPTION)
+    p.set_defaults(parser=p)  # run() reports bad values through it
+    p.add_argument(
+        "--config_file", default=None, help="config to read (default: the one `notebook-accel config` wrote)"
+    )
+    p.add_argument(
+        "--num_processes",
+        type=positive,
+        default=None,
+        help="processes on all machines together (as accelerate counts them)",
+    )
+    p.add_argument("--num_machines", type=positive, default=None, help="number of machines taking part")
+    p.add_argument(
+        "--machine_rank", type=non_negative, default=None, help="rank of this machine (0 is the main one)"
+    )
     p.add_argument("--main_process_ip", default=None, help="address of the machine with rank 0")
-    p.add_argument("--main_process_port", type=_port, default=None, help="port on the main machine, or 'auto'")
+    p.add_argument("--main_process_port", type=port, default=None, help="port on the main machine, or 'auto'")
     p.add_argument("--rdzv_backend", choices=cfg.RDZV_BACKENDS, default=None, help="how the machines meet")
-    p.add_argument("--mixed_precision", choices=cfg.MIXED_PRECISIONS, default=None, help="mixed precision mode")
-    p.add_argument("--cpu", action="store_true", default=None, help="run on CPU processes even if accelerators exist")
+    p.add_argument(
+        "--mixed_precision", choices=cfg.MIXED_PRECISIONS, default=None, help="mixed precision mode"
+    )
+    p.add_argument(
+        "--cpu", action="store_true", default=None, help="run on CPU processes even if accelerators exist"
+    )
     p.add_argument("--gpu_ids", default=None, help="devices to use, like 0,1 (default: all)")
-    p.add_argument("--debug", action="store_true", default=None, help="check collectives for mismatched shapes")
-    p.add_argument("--max_restarts", type=_non_negative, default=None, help="restart the group this often on failure")
-    p.add_argument("--monitor_interval", type=_positive_float, default=0.1, help="seconds between health checks")
-    p.add_argument("--start_method", choices=("fork", "spawn", "forkserver"), default="fork",
-                   help="how ranks start (default fork: this process has computed nothing)")  # fmt: skip
-    p.add_argument("-m", "--module", action="store_true", help="treat the script as a module name, as `python -m`")
+    p.add_argument(
+        "--debug", action="store_true", default=None, help="check collectives for mismatched shapes"
+    )
+    p.add_argument(
+        "--max_restarts", type=non_negative, default=None, help="restart the group this often on failure"
+    )
+    p.add_argument(
+        "--monitor_interval", type=positive_seconds, default=0.1, help="seconds between health checks"
+    )
+    p.add_argument(
+        "--start_method",
+        choices=("fork", "spawn", "forkserver"),
+        default="fork",
+        help="how ranks start (default fork: this process has computed nothing)",
+    )
+    p.add_argument(
+        "-m", "--module", action="store_true", help="treat the script as a module name, as `python -m`"
+    )
     p.add_argument("training_script", help="the script to run (or the module, with -m)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
-    p.set_defaults(run=run, parser=p)
-
-
-def _positive(text: str) -> int:
-    value = _whole(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = _whole(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
-    return value
-
-
-def _whole(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
-    return value
-
-
-def _port(text: str) -> str:
-    if text.lower() == "auto":
-        return "auto"
-    value = _whole(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is outside 1..65535")
-    return str(value)
 
 
 def run_script(target: str, argv: list, as_module: bool) -> int:
@@ -110,15 +97,23 @@ def _launch_kwargs(args: argparse.Namespace, config) -> dict:
     if args.num_processes is not None:
         machines = args.num_machines or (config.num_machines if config else 1)
         if args.num_processes % machines:
-            raise ValueError(f"--num_processes {args.num_processes} cannot be split evenly over {machines} "
-                             "machines (it counts the processes on all machines together)")  # fmt: skip
+            raise ValueError(
+                f"--num_processes {args.num_processes} cannot be split evenly over {machines} "
+                "machines (it counts the processes on all machines together)"
+            )
         out["num_processes"] = args.num_processes // machines
     given = {
-        "num_nodes": args.num_machines, "node_rank": args.machine_rank, "master_addr": args.main_process_ip,
-        "use_port": args.main_process_port, "rdzv_backend": args.rdzv_backend, "cpu": args.cpu,
-        "mixed_precision": args.mixed_precision, "gpu_ids": args.gpu_ids, "debug": args.debug,
+        "num_nodes": args.num_machines,
+        "node_rank": args.machine_rank,
+        "master_addr": args.main_process_ip,
+        "use_port": args.main_process_port,
+        "rdzv_backend": args.rdzv_backend,
+        "cpu": args.cpu,
+        "mixed_precision": args.mixed_precision,
+        "gpu_ids": args.gpu_ids,
+        "debug": args.debug,
         "max_restarts": args.max_restarts,
-    }  # fmt: skip
+    }
     out.update({k: v for k, v in given.items() if v is not None})
     machines = args.num_machines or (config.num_machines if config else 1)
     if "use_port" not in out and machines == 1 and (config is None or config.main_process_port is None):
@@ -158,9 +153,12 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     try:
         plan = make_plan(
-            start_method=args.start_method, monitor_interval=args.monitor_interval, rdzv_id="notebook-accel-launch",
-            config_file=args.config_file, **kwargs,
-        )  # fmt: skip
+            start_method=args.start_method,
+            monitor_interval=args.monitor_interval,
+            rdzv_id="notebook-accel-launch",
+            config_file=args.config_file,
+            **kwargs,
+        )
     except LaunchConfigError as exc:
         parser.error(str(exc))
     for note in plan.notes:

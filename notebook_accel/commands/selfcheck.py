@@ -5,16 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .args import add_command
+
+HELP = "run a short distributed self-check on this machine"
+DESCRIPTION = (
+    "Start CPU ranks (gloo) and check the process group, all_reduce, gather and broadcast; "
+    "prints 'success' or what failed."
+)
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "test", help="run a short distributed self-check on this machine",
-        description="Start CPU ranks (gloo) and check the process group, all_reduce, gather and broadcast; "
-        "prints 'success' or what failed.",
-    )  # fmt: skip
-    p.add_argument("--num_processes", type=int, default=2, choices=range(2, 9), metavar="N",
-                   help="CPU ranks to start (2..8, default 2)")  # fmt: skip
-    p.set_defaults(run=run)
+    p = add_command(sub, "test", run, HELP, DESCRIPTION)
+    p.add_argument(
+        "--num_processes",
+        type=int,
+        default=2,
+        choices=range(2, 9),
+        metavar="N",
+        help="CPU ranks to start (2..8, default 2)",
+    )
 
 
 def check_rank() -> str:
@@ -52,9 +61,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Every setting explicit, so a config file for real runs does not change the check.
         results = notebook_launcher(
-            check_rank, num_processes=n, mixed_precision="no", use_port="auto", master_addr="127.0.0.1",
-            node_rank=0, num_nodes=1, rdzv_backend="static", max_restarts=0, cpu=True, sinks=[ListSink()],
-        )  # fmt: skip
+            check_rank,
+            num_processes=n,
+            mixed_precision="no",
+            use_port="auto",
+            master_addr="127.0.0.1",
+            node_rank=0,
+            num_nodes=1,
+            rdzv_backend="static",
+            max_restarts=0,
+            cpu=True,
+            sinks=[ListSink()],
+        )
     except (LaunchFailedError, LaunchConfigError) as exc:
         print(f"failed: {exc}", file=sys.stderr)
         return 1

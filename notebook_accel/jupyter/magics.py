@@ -9,6 +9,9 @@ import shlex
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from ..commands.args import positive as _positive
+from ..commands.args import positive_seconds as _seconds
+from ..commands.args import whole as _int
 from ..launch.errors import LaunchConfigError
 from ..session.errors import SessionError
 from . import cell_jobs
@@ -24,30 +27,6 @@ LAUNCH_ONLY = ("num_processes", "mixed_precision", "cpu", "num_nodes", "node_ran
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse would exit the kernel's process
         raise UsageError(f"%%accelerate: {message}\n{self.format_usage()}")
-
-
-def _positive(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
 
 
 def _names(text: str) -> tuple:

@@ -1,0 +1,57 @@
+"""What the CLI's subcommands and the %%accelerate magic share: adding a subcommand, and the
+argparse `type=` validators, so a bad value reads the same in a terminal and in a notebook."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+
+def add_command(sub, name: str, run: Callable, help: str, description: str) -> argparse.ArgumentParser:
+    """Add the subcommand `name` to `sub` (from add_subparsers); its parsed arguments go to `run`."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """A validator for whole numbers >= `minimum`."""
+
+    def check(text: str) -> int:
+        value = whole(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
+        return value
+
+    return check
+
+
+positive = at_least(1)
+non_negative = at_least(0)
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def port(text: str) -> str:
+    """A TCP port (1..65535) or 'auto' (a free one)."""
+    if text.lower() == "auto":
+        return "auto"
+    value = whole(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 1..65535 or 'auto', got {text!r}")
+    return str(value)

@@ -20,8 +20,16 @@ START_METHODS = ("fork", "spawn", "forkserver")
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
 LINE_COMMANDS = ("hardware", "env", "config", "start", "stop", "restart", "status", "push", "pull", "auto")
 # Options that shape a fresh launch; a running session already has its workers.
-LAUNCH_ONLY = ("num_processes", "mixed_precision", "cpu", "num_nodes", "node_rank", "rdzv_endpoint", "max_restarts",
-               "port")  # fmt: skip
+LAUNCH_ONLY = (
+    "num_processes",
+    "mixed_precision",
+    "cpu",
+    "num_nodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "max_restarts",
+    "port",
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,7 +66,7 @@ def cell_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_seconds, default=None, help="stop every rank and fail after this long")
     p.add_argument("--out", type=_names, default=(), help="names to copy from rank 0 into the notebook")
     p.add_argument("--ranks", default=None, help='with a session: the ranks to run on ("0,2", "1:", "all")')
-    return p  # fmt: skip
+    return p
 
 
 def start_parser() -> argparse.ArgumentParser:
@@ -74,9 +82,12 @@ def launch_kwargs(args: argparse.Namespace) -> dict:
     """Only what the cell set: everything else keeps notebook_launcher's defaults and config."""
     kwargs = {"num_processes": args.num_processes, "start_method": args.start_method, "timeout": args.timeout}
     optional = {
-        "mixed_precision": args.mixed_precision, "num_nodes": args.num_nodes, "node_rank": args.node_rank,
-        "max_restarts": args.max_restarts, "use_port": args.port,
-    }  # fmt: skip
+        "mixed_precision": args.mixed_precision,
+        "num_nodes": args.num_nodes,
+        "node_rank": args.node_rank,
+        "max_restarts": args.max_restarts,
+        "use_port": args.port,
+    }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if args.rdzv_endpoint:
         kwargs["rdzv_endpoint"] = args.rdzv_endpoint
@@ -192,8 +203,13 @@ class AccelerateMagics(Magics):
 
         args = start_parser().parse_args(rest)
         try:
-            ks = session.start(self.shell, args.num_processes, args.start_method, args.mixed_precision,
-                               True if args.cpu else None)  # fmt: skip
+            ks = session.start(
+                self.shell,
+                args.num_processes,
+                args.start_method,
+                args.mixed_precision,
+                True if args.cpu else None,
+            )
         except (RuntimeError, LaunchConfigError) as exc:
             raise UsageError(f"%accelerate start: {exc}") from None
         print(

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import shutil
-import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,6 +28,7 @@ from .serialization import (  # noqa: F401  (save_model and friends are part of 
     load_sharded_state_dict,
     save_model,
 )
+from .utils.random import capture_rng_states, restore_rng_states
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,6 @@ SAMPLER_NAME = "dl_state_dict"
 RNG_STATE_NAME = "random_states"
 CUSTOM_NAME = "custom_checkpoint"
 CHECKPOINTS_FOLDER = "checkpoints"
-_DEVICE_RNG_FAMILIES = ("cuda", "xpu", "npu", "mlu", "sdaa", "musa", "hpu", "mps")
 
 
 # -- small file helpers ---------------------------------------------------------------------------
@@ -68,80 +66,6 @@ def _indexed_files(folder: str, pattern: str) -> list:
         if match:
             found.append((int(match.group(1) or 0), name))
     return sorted(found)
-
-
-# -- random number generators ---------------------------------------------------------------------
-
-
-def _device_rng_module(name: str):
-    """torch.<name> when its RNG can be read without initialising a device that nobody used."""
-    module = getattr(torch, name, None)
-    if module is None or not hasattr(module, "get_rng_state"):
-        return None
-    try:
-        if name == "mps":
-            return module if torch.backends.mps.is_available() else None
-        initialised = getattr(module, "is_initialized", None)
-        if initialised is not None:
-            return module if initialised() else None  # never used: its RNG is still the seeded one
-        return module if module.is_available() else None
-    except Exception:
-        return None
-
-
-def _rng_states() -> dict:
-    import numpy as np
-
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    # Plain tuples and tensors only, so the file loads with torch.load(weights_only=True).
-    states = {
-        "random_state": random.getstate(),
-        "numpy_random_seed": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
-        "torch_manual_seed": torch.get_rng_state(),
-    }
-    for family in _DEVICE_RNG_FAMILIES:
-        module = _device_rng_module(family)
-        if module is None:
-            continue
-        every = getattr(module, "get_rng_state_all", None)
-        states[f"torch_{family}_manual_seed"] = list(every()) if every else [module.get_rng_state()]
-    if "torch_xla" in sys.modules:
-        try:
-            import torch_xla.core.xla_model as xm
-
-            states["xm_seed"] = int(xm.get_rng_state())
-        except Exception:  # installed but unusable: nothing to save
-            pass
-    return states
-
-
-def _set_rng_states(states: dict) -> None:
-    import numpy as np
-
-    random.setstate(states["random_state"])
-    name, keys, pos, has_gauss, gauss = states["numpy_random_seed"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(states["torch_manual_seed"])
-    for key, per_device in states.items():
-        match = re.fullmatch(r"torch_(\w+)_manual_seed", key)
-        if not match or match.group(1) not in _DEVICE_RNG_FAMILIES:
-            continue
-        module = getattr(torch, match.group(1), None)
-        if module is None or not hasattr(module, "set_rng_state"):
-            continue
-        try:
-            count = module.device_count() if hasattr(module, "device_count") else 1
-        except Exception:
-            count = 0
-        for device, state in enumerate(per_device[:count]):
-            if hasattr(module, "get_rng_state_all"):
-                module.set_rng_state(state, device)
-            else:
-                module.set_rng_state(state)
-    if "xm_seed" in states and "torch_xla" in sys.modules:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(states["xm_seed"])
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -284,7 +208,7 @@ def _write_own(folder: str, dataloaders: list, rank: int) -> None:
     for i, loader in enumerate(dataloaders):
         if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
             torch.save(loader.state_dict(), os.path.join(folder, _loader_file(i, rank)))
-    torch.save(_rng_states(), os.path.join(folder, f"{RNG_STATE_NAME}_{rank}.pkl"))
+    torch.save(capture_rng_states(), os.path.join(folder, f"{RNG_STATE_NAME}_{rank}.pkl"))
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -398,7 +322,7 @@ def load_accelerator_state(
         raise CheckpointError(_report(folder, "was only partly loaded", failures))
     for i in stateful:
         _rewind_unless_stateful(dataloaders[i], i)
-    _set_rng_states(rng)
+    restore_rng_states(rng)
     counts = (len(models), len(optimizers), len(schedulers), scaler is not None, len(custom_objects), len(stateful))
     return dict(zip(("models", "optimizers", "schedulers", "scaler", "custom_objects", "dataloaders"), counts),
                 input_dir=folder)  # fmt: skip

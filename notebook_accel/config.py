@@ -13,19 +13,19 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .utils import families
+from .utils.dataclasses import DistributedType
+
 CONFIG_ENV = "NOTEBOOK_ACCEL_CONFIG_FILE"
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
-DISTRIBUTED_TYPES = (
-    "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
-    "MULTI_HPU", "MULTI_NEURON", "XLA", "DEEPSPEED", "FSDP", "MEGATRON_LM",
-)  # fmt: skip
+DISTRIBUTED_TYPES = tuple(t.value for t in DistributedType)
 UNSUPPORTED_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
 # distributed_type for N > 1 processes of each device family (hardware.detect_device_family()).
 FAMILY_TYPES = {
-    None: "MULTI_CPU", "cuda": "MULTI_GPU", "xpu": "MULTI_XPU", "npu": "MULTI_NPU", "mlu": "MULTI_MLU",
-    "sdaa": "MULTI_SDAA", "musa": "MULTI_MUSA", "hpu": "MULTI_HPU", "neuron": "MULTI_NEURON", "xla": "XLA",
-}  # fmt: skip
+    None: "MULTI_CPU",
+    **{f.name: f.distributed_type.value for f in families.FAMILIES if f.distributed_type is not None},
+}
 
 _INT, _STR, _BOOL, _DICT, _LIST = (int,), (str,), (bool,), (dict,), (list,)
 # Keys accelerate writes that a launch here does not act on: type-checked, kept, written back.

@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from .utils import families
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -209,15 +211,16 @@ for i in range(mod.device_count()):
 print(json.dumps(out))
 """
 
-_PLUGINS = {"npu": "torch_npu", "mlu": "torch_mlu", "sdaa": "torch_sdaa", "musa": "torch_musa",
-            "hpu": "habana_frameworks.torch"}  # fmt: skip
+def _plugin(family: str) -> str:
+    # The vendor package that registers torch.<family>; "" for none (or a plain torch module like cpu).
+    return (families.family(family).plugin or "") if family in families.names() else ""
 
 
 def probe_in_child(family: str, timeout: float = 120.0) -> Optional[list]:
     """Device records for `family` read by a fresh Python process; None if that fails."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _PROBE_SCRIPT, family, _PLUGINS.get(family, "")],
+            [sys.executable, "-c", _PROBE_SCRIPT, family, _plugin(family)],
             capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         if done.returncode != 0:

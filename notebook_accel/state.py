@@ -18,6 +18,7 @@ import torch
 
 from . import hardware
 from .placement import resolve_placement
+from .utils import current, families
 from .utils.dataclasses import DistributedType, parse_mixed_precision
 from .utils.environment import DEBUG_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV, parse_bool, read_launch_env
 
@@ -83,7 +84,17 @@ def _init_process_group(backend: str, env, timeout: Optional[datetime.timedelta]
         dist.barrier()
 
 
-class PartialState:
+class _Borg:
+    """A state class: every instance shares the class's one dict (see SharedDict)."""
+
+    _shared_state: SharedDict
+
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state != {}
+
+
+class PartialState(_Borg):
     """Where this process sits in the job and which device it drives; no training settings."""
 
     _shared_state = SharedDict()
@@ -138,10 +149,6 @@ class PartialState:
             f"Local process index: {self.local_process_index}\n"
             f"Device: {self.device}\n"
         )
-
-    @property
-    def initialized(self) -> bool:
-        return self._shared_state != {}
 
     @staticmethod
     def _reset_state() -> None:
@@ -254,9 +261,9 @@ class PartialState:
     def set_device(self) -> None:
         """Make this process's device the current one for its family (no-op on CPU)."""
         kind = self.device.type
-        if kind in ("cpu", "mps", "xla", "meta"):
+        if kind not in families.names():  # cpu, meta
             return
-        module = getattr(torch, kind, None)
+        module = families.family(kind).module()  # None for xla and neuron; mps has no set_device
         if module is not None and hasattr(module, "set_device"):
             module.set_device(self.device)
 
@@ -307,7 +314,7 @@ def _split(inputs, num: int, index: int, apply_padding: bool):
     return list(share) + list(last) * missing
 
 
-class AcceleratorState:
+class AcceleratorState(_Borg):
     """PartialState plus training settings (mixed precision, plugins); one per process."""
 
     _shared_state = SharedDict()
@@ -368,10 +375,6 @@ class AcceleratorState:
         return repr(self._partial) + f"Mixed precision type: {self._mixed_precision}\n"
 
     @property
-    def initialized(self) -> bool:
-        return self._shared_state != {}
-
-    @property
     def mixed_precision(self) -> str:
         return self._mixed_precision
 
@@ -386,7 +389,7 @@ class AcceleratorState:
             PartialState._reset_state()
 
 
-class GradientState:
+class GradientState(_Borg):
     """Whether gradients sync on this step, and which dataloader is running (for accumulation)."""
 
     _shared_state = SharedDict()
@@ -407,10 +410,6 @@ class GradientState:
             f"Sync Gradients: {self.sync_gradients}\nAt end of current dataloader: {self.end_of_dataloader}\n"
             f"Extra samples added: {self.remainder}\nGradient accumulation plugin: {self.plugin_kwargs}\n"
         )
-
-    @property
-    def initialized(self) -> bool:
-        return self._shared_state != {}
 
     @property
     def num_steps(self) -> int:
@@ -454,3 +453,7 @@ class GradientState:
     @staticmethod
     def _reset_state() -> None:
         GradientState._shared_state.clear()
+
+
+# Collectives in utils/ reach the state through this (they may not import this module).
+current.register_state_provider(PartialState)

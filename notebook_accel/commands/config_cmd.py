@@ -13,6 +13,7 @@ import socket
 import sys
 
 from .. import config as cfg
+from ..utils import families
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*$")
 
@@ -148,7 +149,7 @@ def questionnaire(report) -> cfg.ClusterConfig:
         print("No accelerator found here: the processes will run on the CPU.")
         cpu = True
     gpu_ids = None
-    if not cpu and family in ("cuda", "xpu", "npu", "mlu", "musa", "sdaa"):
+    if not cpu and family is not None and families.family(family).visible_env:  # devices can be chosen
         gpu_ids = ask(f"Which {family} devices should be used (comma-separated, or all)", device_list(devices), "all")
     usable = devices if gpu_ids in (None, "all") else len(gpu_ids.split(","))
     if cpu:

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..utils import families
 from .errors import LaunchConfigError
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -259,10 +260,7 @@ def _load_config(config_file):
 
 
 # The variable that restricts each family to the chosen device indices (gpu_ids).
-_VISIBLE_ENV = {
-    "cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK", "npu": "ASCEND_RT_VISIBLE_DEVICES",
-    "mlu": "MLU_VISIBLE_DEVICES", "musa": "MUSA_VISIBLE_DEVICES", "sdaa": "SDAA_VISIBLE_DEVICES",
-}  # fmt: skip
+_VISIBLE_ENV = {f.name: f.visible_env for f in families.FAMILIES if f.visible_env}
 
 
 def _visible_devices(family, gpu_ids, devices: int):
@@ -357,17 +355,9 @@ def _threads_per_process(num_processes: int, start_method: str, notes: list) -> 
 
 
 def _physical_cores() -> int:
-    try:
-        import psutil
+    from .. import hardware
 
-        cores = psutil.cpu_count(logical=False)
-    except Exception:
-        cores = None
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 1
-    return max(1, min(cores or usable, usable))
+    return hardware.physical_cores()
 
 
 def _parent_may_have_omp_pool() -> bool:

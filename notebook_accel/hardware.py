@@ -242,8 +242,13 @@ def _versions() -> dict:
 
     from . import __version__
 
-    versions = {"python": platform.python_version(), "torch": None, "cuda": None, "torch_xla": None,
-                "notebook_accel": __version__}  # fmt: skip
+    versions = {
+        "python": platform.python_version(),
+        "torch": None,
+        "cuda": None,
+        "torch_xla": None,
+        "notebook_accel": __version__,
+    }
     if imports.is_torch_available():
         import torch
 
@@ -306,11 +311,17 @@ class HardwareReport:
             ("RAM", f"{_gib(self.ram_total)} GiB total, {_gib(self.ram_available)} GiB available"),
             ("Device family", self.device_family or "none (CPU only)"),
             ("TPU", "yes" if self.tpu else "no"),
-            *((name, v.get(key) or "-") for name, key in (
-                ("Python", "python"), ("torch", "torch"), ("CUDA (torch build)", "cuda"),
-                ("torch_xla", "torch_xla"), ("notebook_accel", "notebook_accel"),
-            )),
-        ]  # fmt: skip
+            *(
+                (name, v.get(key) or "-")
+                for name, key in (
+                    ("Python", "python"),
+                    ("torch", "torch"),
+                    ("CUDA (torch build)", "cuda"),
+                    ("torch_xla", "torch_xla"),
+                    ("notebook_accel", "notebook_accel"),
+                )
+            ),
+        ]
 
     def __str__(self) -> str:
         rows = self._rows()
@@ -324,8 +335,18 @@ class HardwareReport:
         for a in self.accelerators:
             cc = ".".join(map(str, a.compute_capability)) if a.compute_capability else "-"
             mem = f"{_gib(a.free_memory)} / {_gib(a.total_memory)} GiB" if a.total_memory else "-"
-            table.append((str(a.index), a.kind, a.name, mem, cc, yes[a.supports_bf16], yes[a.supports_fp16],
-                          yes[a.supports_fp8]))  # fmt: skip
+            table.append(
+                (
+                    str(a.index),
+                    a.kind,
+                    a.name,
+                    mem,
+                    cc,
+                    yes[a.supports_bf16],
+                    yes[a.supports_fp16],
+                    yes[a.supports_fp8],
+                )
+            )
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         lines.append("Accelerators:")
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]

@@ -15,7 +15,9 @@ from .utils.environment import LaunchEnv
 
 # family -> (distributed type when world_size > 1, default collective backend), for the families
 # that have a multi-process backend (mps has none).
-FAMILIES = {f.name: (f.distributed_type, f.backend) for f in families.FAMILIES if f.distributed_type is not None}
+FAMILIES = {
+    f.name: (f.distributed_type, f.backend) for f in families.FAMILIES if f.distributed_type is not None
+}
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,9 @@ def resolve_placement(
         return Placement(DistributedType.NO, backend, "cpu" if family != "mps" or cpu else "mps")
 
     if family not in FAMILIES:
-        raise ValueError(f"Unknown device family {family!r}; expected one of {sorted(FAMILIES)} or None for CPU.")
+        raise ValueError(
+            f"Unknown device family {family!r}; expected one of {sorted(FAMILIES)} or None for CPU."
+        )
     multi_type, default_backend = FAMILIES[family]
     if family == "xla":
         return Placement(DistributedType.XLA, backend or default_backend, "xla")

@@ -72,9 +72,12 @@ def _init_process_group(backend: str, env, timeout: Optional[datetime.timedelta]
         # torch's static rendezvous keeps one agent store across restarts with no per-attempt
         # prefix, so a restarted rank can read a dead peer's address and fail to connect.
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size, is_master=False,
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            env.world_size,
+            is_master=False,
             timeout=timeout or datetime.timedelta(minutes=30),
-        )  # fmt: skip
+        )
         kwargs["store"] = dist.PrefixStore(f"/notebook_accel/attempt_{attempt}", store)
     dist.init_process_group(**kwargs)
     if backend == "gloo" and env.world_size > 1:
@@ -115,7 +118,11 @@ class PartialState(_Borg):
         cpu = bool(cpu) or parse_bool(os.environ.get(USE_CPU_ENV, "0"))
         family = None if cpu else hardware.detect_device_family()
         placement = resolve_placement(
-            env, family, cpu=cpu, device_count=hardware.device_count(family), backend=kwargs.pop("backend", None)
+            env,
+            family,
+            cpu=cpu,
+            device_count=hardware.device_count(family),
+            backend=kwargs.pop("backend", None),
         )
         self._cpu = cpu
         self._launch_env = env
@@ -130,7 +137,9 @@ class PartialState(_Borg):
         if placement.distributed_type == DistributedType.XLA:
             # xmp.spawn sets no RANK/WORLD_SIZE: the XLA runtime knows the topology.
             self.device, topology = _xla_device_and_topology()
-            (self.process_index, self.num_processes, self.local_process_index, self.num_local_processes) = topology
+            (self.process_index, self.num_processes, self.local_process_index, self.num_local_processes) = (
+                topology
+            )
         else:
             self.device = torch.device(placement.device)
         if env.distributed and placement.distributed_type != DistributedType.XLA:
@@ -230,7 +239,9 @@ class PartialState(_Borg):
         _check_index("process_index", process_index)
         return self._only_if(function, lambda: self.process_index == process_index)
 
-    def on_local_process(self, function: Optional[Callable] = None, local_process_index: Optional[int] = None):
+    def on_local_process(
+        self, function: Optional[Callable] = None, local_process_index: Optional[int] = None
+    ):
         if function is None:
             return functools.partial(self.on_local_process, local_process_index=local_process_index)
         _check_index("local_process_index", local_process_index)
@@ -288,7 +299,9 @@ def _split(inputs, num: int, index: int, apply_padding: bool):
     if isinstance(inputs, dict):
         lengths = {k: len(v) for k, v in inputs.items()}
         if len(set(lengths.values())) > 1:
-            raise ValueError(f"split_between_processes needs dict values of equal length; got lengths {lengths}.")
+            raise ValueError(
+                f"split_between_processes needs dict values of equal length; got lengths {lengths}."
+            )
         return {k: _split(v, num, index, apply_padding) for k, v in inputs.items()}
     if not hasattr(inputs, "__len__") or not hasattr(inputs, "__getitem__"):
         raise TypeError(
@@ -319,12 +332,32 @@ class AcceleratorState(_Borg):
 
     _shared_state = SharedDict()
     _partial_attrs = (
-        "device", "backend", "distributed_type", "num_processes", "process_index", "local_process_index",
-        "num_local_processes", "fork_launched", "use_distributed", "is_main_process", "is_local_main_process",
-        "is_last_process", "default_device", "wait_for_everyone", "main_process_first",
-        "local_main_process_first", "split_between_processes", "on_main_process", "on_local_main_process",
-        "on_last_process", "on_process", "on_local_process", "print", "destroy_process_group", "set_device",
-    )  # fmt: skip
+        "device",
+        "backend",
+        "distributed_type",
+        "num_processes",
+        "process_index",
+        "local_process_index",
+        "num_local_processes",
+        "fork_launched",
+        "use_distributed",
+        "is_main_process",
+        "is_local_main_process",
+        "is_last_process",
+        "default_device",
+        "wait_for_everyone",
+        "main_process_first",
+        "local_main_process_first",
+        "split_between_processes",
+        "on_main_process",
+        "on_local_main_process",
+        "on_last_process",
+        "on_process",
+        "on_local_process",
+        "print",
+        "destroy_process_group",
+        "set_device",
+    )
 
     def __init__(
         self,

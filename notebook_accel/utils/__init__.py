@@ -28,10 +28,23 @@ _EXPORTS = {
     **{
         name: "operations"
         for name in (
-            "send_to_device", "recursively_apply", "gather", "gather_object", "broadcast",
-            "broadcast_object_list", "reduce", "pad_across_processes", "concatenate", "find_batch_size",
-            "DistributedOperationException", "is_tensor_information", "get_data_structure",
-            "honor_type", "listify", "slice_tensors", "convert_to_fp32",
+            "send_to_device",
+            "recursively_apply",
+            "gather",
+            "gather_object",
+            "broadcast",
+            "broadcast_object_list",
+            "reduce",
+            "pad_across_processes",
+            "concatenate",
+            "find_batch_size",
+            "DistributedOperationException",
+            "is_tensor_information",
+            "get_data_structure",
+            "honor_type",
+            "listify",
+            "slice_tensors",
+            "convert_to_fp32",
         )
     },
     # random
@@ -43,14 +56,24 @@ _EXPORTS = {
     "convert_file_size_to_int": "memory",
     "release_memory": "memory",
     "find_executable_batch_size": "memory",
-}  # fmt: skip
+}
 
 __all__ = sorted(
     list(_EXPORTS)
     + [
-        "AutocastKwargs", "ComputeEnvironment", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
-        "DistributedType", "DynamoBackend", "GradientAccumulationPlugin", "GradScalerKwargs",
-        "InitProcessGroupKwargs", "KwargsHandler", "PrecisionType", "ProjectConfiguration", "RNGType",
+        "AutocastKwargs",
+        "ComputeEnvironment",
+        "DataLoaderConfiguration",
+        "DistributedDataParallelKwargs",
+        "DistributedType",
+        "DynamoBackend",
+        "GradientAccumulationPlugin",
+        "GradScalerKwargs",
+        "InitProcessGroupKwargs",
+        "KwargsHandler",
+        "PrecisionType",
+        "ProjectConfiguration",
+        "RNGType",
         "TorchDynamoPlugin",
     ]
     + [n for n in _imports_dict if n.startswith("is_")]

@@ -145,7 +145,13 @@ def capture_rng_states() -> dict:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     states = {
         "random_state": random.getstate(),
-        "numpy_random_seed": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+        "numpy_random_seed": (
+            name,
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(gauss),
+        ),
         "torch_manual_seed": torch.get_rng_state(),
     }
     for name in _DEVICE_RNG_FAMILIES:

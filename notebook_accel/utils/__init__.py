@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 from .dataclasses import (  # noqa: F401
     AutocastKwargs,
     ComputeEnvironment,
@@ -22,6 +20,7 @@ from .dataclasses import (  # noqa: F401
 )
 from .imports import *  # noqa: F401,F403
 from .imports import __dict__ as _imports_dict
+from .lazy import lazy_exports
 
 _EXPORTS = {
     # operations
@@ -80,10 +79,4 @@ __all__ = sorted(
 )
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'notebook_accel.utils' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _EXPORTS)

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from . import current, families
+from .lazy import lazy_exports
 from .memory import parse_memory_size
 
 _KNOWN_DEVICES = "an integer accelerator id, 'cpu', 'disk', 'meta', 'mps' or a torch device such as 'cuda:1'"
@@ -485,15 +486,7 @@ _ELSEWHERE = {
 }
 
 
-def __getattr__(name: str):
-    module = _ELSEWHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{module}", __package__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _ELSEWHERE)
 
 
 def __dir__():

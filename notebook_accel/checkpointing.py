@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import shutil
-import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,6 +28,7 @@ from .serialization import (  # noqa: F401  (save_model and friends are part of 
     load_sharded_state_dict,
     save_model,
 )
+from .utils.random import capture_rng_states, restore_rng_states
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,6 @@ SAMPLER_NAME = "dl_state_dict"
 RNG_STATE_NAME = "random_states"
 CUSTOM_NAME = "custom_checkpoint"
 CHECKPOINTS_FOLDER = "checkpoints"
-_DEVICE_RNG_FAMILIES = ("cuda", "xpu", "npu", "mlu", "sdaa", "musa", "hpu", "mps")
 
 
 # -- small file helpers ---------------------------------------------------------------------------
@@ -52,7 +50,9 @@ def _indexed(stem: str, i: int, ext: str) -> str:
 
 def _loader_file(i: int, rank: int) -> str:
     # Rank 0 keeps accelerate's name; other ranks' loaders may stand elsewhere, so they get their own.
-    return _indexed(SAMPLER_NAME, i, ".bin") if rank == 0 else f"{_indexed(SAMPLER_NAME, i, '')}_rank{rank}.bin"
+    return (
+        _indexed(SAMPLER_NAME, i, ".bin") if rank == 0 else f"{_indexed(SAMPLER_NAME, i, '')}_rank{rank}.bin"
+    )
 
 
 def _sibling(path: str, tag: str) -> str:
@@ -68,80 +68,6 @@ def _indexed_files(folder: str, pattern: str) -> list:
         if match:
             found.append((int(match.group(1) or 0), name))
     return sorted(found)
-
-
-# -- random number generators ---------------------------------------------------------------------
-
-
-def _device_rng_module(name: str):
-    """torch.<name> when its RNG can be read without initialising a device that nobody used."""
-    module = getattr(torch, name, None)
-    if module is None or not hasattr(module, "get_rng_state"):
-        return None
-    try:
-        if name == "mps":
-            return module if torch.backends.mps.is_available() else None
-        initialised = getattr(module, "is_initialized", None)
-        if initialised is not None:
-            return module if initialised() else None  # never used: its RNG is still the seeded one
-        return module if module.is_available() else None
-    except Exception:
-        return None
-
-
-def _rng_states() -> dict:
-    import numpy as np
-
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    # Plain tuples and tensors only, so the file loads with torch.load(weights_only=True).
-    states = {
-        "random_state": random.getstate(),
-        "numpy_random_seed": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
-        "torch_manual_seed": torch.get_rng_state(),
-    }
-    for family in _DEVICE_RNG_FAMILIES:
-        module = _device_rng_module(family)
-        if module is None:
-            continue
-        every = getattr(module, "get_rng_state_all", None)
-        states[f"torch_{family}_manual_seed"] = list(every()) if every else [module.get_rng_state()]
-    if "torch_xla" in sys.modules:
-        try:
-            import torch_xla.core.xla_model as xm
-
-            states["xm_seed"] = int(xm.get_rng_state())
-        except Exception:  # installed but unusable: nothing to save
-            pass
-    return states
-
-
-def _set_rng_states(states: dict) -> None:
-    import numpy as np
-
-    random.setstate(states["random_state"])
-    name, keys, pos, has_gauss, gauss = states["numpy_random_seed"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(states["torch_manual_seed"])
-    for key, per_device in states.items():
-        match = re.fullmatch(r"torch_(\w+)_manual_seed", key)
-        if not match or match.group(1) not in _DEVICE_RNG_FAMILIES:
-            continue
-        module = getattr(torch, match.group(1), None)
-        if module is None or not hasattr(module, "set_rng_state"):
-            continue
-        try:
-            count = module.device_count() if hasattr(module, "device_count") else 1
-        except Exception:
-            count = 0
-        for device, state in enumerate(per_device[:count]):
-            if hasattr(module, "get_rng_state_all"):
-                module.set_rng_state(state, device)
-            else:
-                module.set_rng_state(state)
-    if "xm_seed" in states and "torch_xla" in sys.modules:
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(states["xm_seed"])
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -222,7 +148,11 @@ def save_accelerator_state(
     `model_states` holds state dicts (or models). Loaders without `state_dict` are skipped.
     """
     output_dir = os.path.abspath(output_dir)
-    writer = _default_is_writer(process_index, save_on_each_node) if is_main_process is None else bool(is_main_process)
+    writer = (
+        _default_is_writer(process_index, save_on_each_node)
+        if is_main_process is None
+        else bool(is_main_process)
+    )
     agree = _Agreement(num_processes, wait_for_everyone)
     staging, old = _sibling(output_dir, "saving"), _sibling(output_dir, "old")
 
@@ -243,7 +173,9 @@ def save_accelerator_state(
                 "pass save_on_each_node=True."
             )
         if writer:
-            _write_shared(staging, model_states, optimizers, schedulers, scaler, custom_objects, safe_serialization)
+            _write_shared(
+                staging, model_states, optimizers, schedulers, scaler, custom_objects, safe_serialization
+            )
         _write_own(staging, dataloaders, process_index)
         error = None
     except Exception as exc:
@@ -282,9 +214,11 @@ def _write_shared(folder, model_states, optimizers, schedulers, scaler, custom_o
 
 def _write_own(folder: str, dataloaders: list, rank: int) -> None:
     for i, loader in enumerate(dataloaders):
-        if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
+        if callable(getattr(loader, "state_dict", None)) and callable(
+            getattr(loader, "load_state_dict", None)
+        ):
             torch.save(loader.state_dict(), os.path.join(folder, _loader_file(i, rank)))
-    torch.save(_rng_states(), os.path.join(folder, f"{RNG_STATE_NAME}_{rank}.pkl"))
+    torch.save(capture_rng_states(), os.path.join(folder, f"{RNG_STATE_NAME}_{rank}.pkl"))
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -350,7 +284,9 @@ def load_accelerator_state(
         try:
             state = _read_weights(path, map_location)
         except Exception as exc:
-            problems.append(f"model {i}: {os.path.basename(path)} cannot be read ({type(exc).__name__}: {exc})")
+            problems.append(
+                f"model {i}: {os.path.basename(path)} cannot be read ({type(exc).__name__}: {exc})"
+            )
             continue
         if load_model_func is None:
             _check_model_keys(_unwrap(model), state, i, strict, problems)
@@ -364,7 +300,9 @@ def load_accelerator_state(
     if scaler is not None:
         plan.append(("scaler", scaler, read(SCALER_NAME, "GradScaler", True)))
     elif strict and os.path.isfile(os.path.join(folder, SCALER_NAME)):
-        problems.append(f"the checkpoint has {SCALER_NAME} but no GradScaler was given (mixed_precision='fp16' when saved?)")
+        problems.append(
+            f"the checkpoint has {SCALER_NAME} but no GradScaler was given (mixed_precision='fp16' when saved?)"
+        )
     check_count(rf"{CUSTOM_NAME}_(\d+)\.pkl", len(custom_objects), "custom objects")
     for i, obj in enumerate(custom_objects):
         plan.append((f"custom object {i}", obj, read(f"{CUSTOM_NAME}_{i}.pkl", f"custom object {i}", False)))
@@ -372,9 +310,13 @@ def load_accelerator_state(
     # Loaders and RNG states of this rank.
     stateful = [i for i, dl in enumerate(dataloaders) if callable(getattr(dl, "load_state_dict", None))]
     suffix = "" if process_index == 0 else rf"_rank{process_index}"
-    extra = [n for i, n in _indexed_files(folder, rf"{SAMPLER_NAME}(?:_(\d+))?{suffix}\.bin") if i not in stateful]
+    extra = [
+        n for i, n in _indexed_files(folder, rf"{SAMPLER_NAME}(?:_(\d+))?{suffix}\.bin") if i not in stateful
+    ]
     if extra and strict:
-        problems.append(f"data loaders: no loader with load_state_dict was given at the position of {', '.join(extra)}")
+        problems.append(
+            f"data loaders: no loader with load_state_dict was given at the position of {', '.join(extra)}"
+        )
     for i in stateful:
         what = f"data loader {i} (rank {process_index})"
         plan.append((what, dataloaders[i], read(_loader_file(i, process_index), what, False)))
@@ -398,10 +340,19 @@ def load_accelerator_state(
         raise CheckpointError(_report(folder, "was only partly loaded", failures))
     for i in stateful:
         _rewind_unless_stateful(dataloaders[i], i)
-    _set_rng_states(rng)
-    counts = (len(models), len(optimizers), len(schedulers), scaler is not None, len(custom_objects), len(stateful))
-    return dict(zip(("models", "optimizers", "schedulers", "scaler", "custom_objects", "dataloaders"), counts),
-                input_dir=folder)  # fmt: skip
+    restore_rng_states(rng)
+    counts = (
+        len(models),
+        len(optimizers),
+        len(schedulers),
+        scaler is not None,
+        len(custom_objects),
+        len(stateful),
+    )
+    return dict(
+        zip(("models", "optimizers", "schedulers", "scaler", "custom_objects", "dataloaders"), counts),
+        input_dir=folder,
+    )
 
 
 def _rewind_unless_stateful(loader, i: int) -> None:
@@ -416,8 +367,11 @@ def _rewind_unless_stateful(loader, i: int) -> None:
             "data loader %d restarts epoch %d at its first batch, in the saved order; the checkpoint was taken after "
             "batch %d. Skip them with accelerator.skip_first_batches(loader, %d), or prepare with "
             "DataLoaderConfiguration(use_stateful_dataloader=True) to resume there.",
-            i, loader.iteration, dropped, dropped,
-        )  # fmt: skip
+            i,
+            loader.iteration,
+            dropped,
+            dropped,
+        )
 
 
 def _check_model_keys(model, state: dict, i: int, strict: bool, problems: list) -> None:
@@ -428,8 +382,14 @@ def _check_model_keys(model, state: dict, i: int, strict: bool, problems: list) 
         if missing:
             problems.append(f"model {i}: missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}")
         if unexpected:
-            problems.append(f"model {i}: unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state and state[k].shape != v.shape]
+            problems.append(
+                f"model {i}: unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
+            )
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and state[k].shape != v.shape
+    ]
     if shapes:
         problems.append(f"model {i}: shape mismatch (checkpoint vs model) {shapes[:10]}")
 
@@ -515,15 +475,25 @@ def save_state(accelerator, output_dir: Optional[str] = None, safe_serialization
             raise ValueError("With automatic_checkpoint_naming, save_state() takes no output_dir.")
         output_dir = next_checkpoint_dir(config)
     elif output_dir is None:
-        raise ValueError("save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
+        raise ValueError(
+            "save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)."
+        )
     acc = accelerator
     path = save_accelerator_state(
-        output_dir, [acc.get_state_dict(m) for m in acc._models], acc._optimizers, acc._schedulers,
-        acc._dataloaders, acc.process_index, acc.num_processes, scaler=acc.scaler,
-        custom_objects=acc._custom_objects, safe_serialization=safe_serialization,
-        save_on_each_node=config.save_on_each_node, is_main_process=acc.is_main_process,
+        output_dir,
+        [acc.get_state_dict(m) for m in acc._models],
+        acc._optimizers,
+        acc._schedulers,
+        acc._dataloaders,
+        acc.process_index,
+        acc.num_processes,
+        scaler=acc.scaler,
+        custom_objects=acc._custom_objects,
+        safe_serialization=safe_serialization,
+        save_on_each_node=config.save_on_each_node,
+        is_main_process=acc.is_main_process,
         wait_for_everyone=acc.wait_for_everyone,
-    )  # fmt: skip
+    )
     if config.automatic_checkpoint_naming:
         config.iteration += 1
         if accelerator.is_main_process:
@@ -537,17 +507,26 @@ def load_state(accelerator, input_dir: Optional[str] = None, map_location="cpu",
     config = accelerator.project_configuration
     if input_dir is None:
         if not config.automatic_checkpoint_naming:
-            raise ValueError("load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True).")
+            raise ValueError(
+                "load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)."
+            )
         saved = list_checkpoints(config)
         if not saved:
             raise FileNotFoundError(f"No checkpoint to load under {config.project_dir}/checkpoints.")
         input_dir = saved[-1]
     acc = accelerator
     load_accelerator_state(
-        input_dir, [acc.unwrap_model(m) for m in acc._models], acc._optimizers, acc._schedulers,
-        acc._dataloaders, acc.process_index, scaler=acc.scaler, custom_objects=acc._custom_objects,
-        map_location=map_location, strict=strict,
-    )  # fmt: skip
+        input_dir,
+        [acc.unwrap_model(m) for m in acc._models],
+        acc._optimizers,
+        acc._schedulers,
+        acc._dataloaders,
+        acc.process_index,
+        scaler=acc.scaler,
+        custom_objects=acc._custom_objects,
+        map_location=map_location,
+        strict=strict,
+    )
     number = re.fullmatch(r"checkpoint_(\d+)", os.path.basename(os.path.normpath(input_dir)))
     if config.automatic_checkpoint_naming and number:
         config.iteration = int(number.group(1)) + 1  # the next save must not overwrite this one

@@ -13,30 +13,47 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .utils import families
+from .utils.dataclasses import DistributedType
+
 CONFIG_ENV = "NOTEBOOK_ACCEL_CONFIG_FILE"
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
-DISTRIBUTED_TYPES = (
-    "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
-    "MULTI_HPU", "MULTI_NEURON", "XLA", "DEEPSPEED", "FSDP", "MEGATRON_LM",
-)  # fmt: skip
+DISTRIBUTED_TYPES = tuple(t.value for t in DistributedType)
 UNSUPPORTED_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
 # distributed_type for N > 1 processes of each device family (hardware.detect_device_family()).
 FAMILY_TYPES = {
-    None: "MULTI_CPU", "cuda": "MULTI_GPU", "xpu": "MULTI_XPU", "npu": "MULTI_NPU", "mlu": "MULTI_MLU",
-    "sdaa": "MULTI_SDAA", "musa": "MULTI_MUSA", "hpu": "MULTI_HPU", "neuron": "MULTI_NEURON", "xla": "XLA",
-}  # fmt: skip
+    None: "MULTI_CPU",
+    **{f.name: f.distributed_type.value for f in families.FAMILIES if f.distributed_type is not None},
+}
 
 _INT, _STR, _BOOL, _DICT, _LIST = (int,), (str,), (bool,), (dict,), (list,)
 # Keys accelerate writes that a launch here does not act on: type-checked, kept, written back.
 _KEPT = {
-    "same_network": _BOOL, "main_training_function": _STR, "enable_cpu_affinity": _BOOL,
-    "downcast_bf16": (bool, str), "fp8_config": _DICT, "deepspeed_config": _DICT, "fsdp_config": _DICT,
-    "tp_config": _DICT, "parallelism_config": _DICT, "megatron_lm_config": _DICT, "ipex_config": _DICT,
-    "mpirun_config": _DICT, "dynamo_config": _DICT, "tpu_name": _STR, "tpu_zone": _STR,
-    "tpu_use_cluster": _BOOL, "tpu_use_sudo": _BOOL, "command_file": _STR, "commands": _LIST,
-    "tpu_vm": _LIST, "tpu_env": _LIST, "fp16": _BOOL, "dynamo_backend": _STR,
-}  # fmt: skip
+    "same_network": _BOOL,
+    "main_training_function": _STR,
+    "enable_cpu_affinity": _BOOL,
+    "downcast_bf16": (bool, str),
+    "fp8_config": _DICT,
+    "deepspeed_config": _DICT,
+    "fsdp_config": _DICT,
+    "tp_config": _DICT,
+    "parallelism_config": _DICT,
+    "megatron_lm_config": _DICT,
+    "ipex_config": _DICT,
+    "mpirun_config": _DICT,
+    "dynamo_config": _DICT,
+    "tpu_name": _STR,
+    "tpu_zone": _STR,
+    "tpu_use_cluster": _BOOL,
+    "tpu_use_sudo": _BOOL,
+    "command_file": _STR,
+    "commands": _LIST,
+    "tpu_vm": _LIST,
+    "tpu_env": _LIST,
+    "fp16": _BOOL,
+    "dynamo_backend": _STR,
+}
 _TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a mapping", list: "a list"}
 
 
@@ -77,13 +94,19 @@ class ClusterConfig:
         data = dict(data)
         unknown = sorted(str(k) for k in data if k not in _FIELD_TYPES and k not in _KEPT)
         if unknown:
-            raise ConfigError(path, unknown[0], f"unknown key (known keys: {', '.join(sorted(_FIELD_TYPES))}, "
-                              "and accelerate's keys for other launchers)")  # fmt: skip
+            raise ConfigError(
+                path,
+                unknown[0],
+                f"unknown key (known keys: {', '.join(sorted(_FIELD_TYPES))}, "
+                "and accelerate's keys for other launchers)",
+            )
         values = {}
         for key, value in data.items():
             types = _FIELD_TYPES.get(key) or _KEPT[key]
             value = _coerce(key, value)
-            if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+            if value is not None and (
+                not isinstance(value, types) or (bool not in types and isinstance(value, bool))
+            ):
                 wanted = " or ".join(_TYPE_NAMES[t] for t in types)
                 raise ConfigError(path, key, f"must be {wanted}, not {type(value).__name__} {value!r}")
             values[key] = value
@@ -103,13 +126,21 @@ class ClusterConfig:
             raise ConfigError(path, key, reason)
 
         if self.compute_environment != "LOCAL_MACHINE":
-            fail("compute_environment", f"{self.compute_environment!r} is not supported; only LOCAL_MACHINE is")
+            fail(
+                "compute_environment", f"{self.compute_environment!r} is not supported; only LOCAL_MACHINE is"
+            )
         if self.distributed_type is not None:
             if self.distributed_type not in DISTRIBUTED_TYPES:
-                fail("distributed_type", f"{self.distributed_type!r} is not one of {', '.join(DISTRIBUTED_TYPES)}")
+                fail(
+                    "distributed_type",
+                    f"{self.distributed_type!r} is not one of {', '.join(DISTRIBUTED_TYPES)}",
+                )
             if self.distributed_type in UNSUPPORTED_TYPES:
-                fail("distributed_type", f"{self.distributed_type} is not implemented by notebook_accel; use "
-                     "MULTI_GPU (data parallel) or MULTI_CPU")  # fmt: skip
+                fail(
+                    "distributed_type",
+                    f"{self.distributed_type} is not implemented by notebook_accel; use "
+                    "MULTI_GPU (data parallel) or MULTI_CPU",
+                )
         if self.mixed_precision not in MIXED_PRECISIONS:
             fail("mixed_precision", f"{self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
         if self.rdzv_backend not in RDZV_BACKENDS:
@@ -117,32 +148,50 @@ class ClusterConfig:
         if self.num_machines < 1:
             fail("num_machines", f"{self.num_machines} must be 1 or more")
         if not 0 <= self.machine_rank < self.num_machines:
-            fail("machine_rank", f"{self.machine_rank} must be in 0..{self.num_machines - 1} "
-                 f"since num_machines is {self.num_machines}")  # fmt: skip
+            fail(
+                "machine_rank",
+                f"{self.machine_rank} must be in 0..{self.num_machines - 1} "
+                f"since num_machines is {self.num_machines}",
+            )
         if self.max_restarts < 0:
             fail("max_restarts", f"{self.max_restarts} must be 0 or more")
         if self.main_process_port is not None and not 1 <= self.main_process_port <= 65535:
             fail("main_process_port", f"{self.main_process_port} is outside 1..65535")
         if self.num_machines > 1 and not self.main_process_ip:
-            fail("main_process_ip", f"num_machines is {self.num_machines}, so every machine needs the address "
-                 "of the machine with machine_rank 0")  # fmt: skip
+            fail(
+                "main_process_ip",
+                f"num_machines is {self.num_machines}, so every machine needs the address "
+                "of the machine with machine_rank 0",
+            )
         n = self.num_processes
         if n is not None:
             if n < 1:
                 fail("num_processes", f"{n} must be 1 or more (the total over all machines)")
             if n % self.num_machines:
-                fail("num_processes", f"{n} processes cannot be split evenly over num_machines="
-                     f"{self.num_machines} (num_processes counts all machines together)")  # fmt: skip
+                fail(
+                    "num_processes",
+                    f"{n} processes cannot be split evenly over num_machines="
+                    f"{self.num_machines} (num_processes counts all machines together)",
+                )
         if self.distributed_type == "NO" and ((n or 1) > 1 or self.num_machines > 1):
-            fail("distributed_type", f"NO runs a single process, but num_processes is {n} and num_machines "
-                 f"is {self.num_machines}; use MULTI_CPU or MULTI_GPU")  # fmt: skip
+            fail(
+                "distributed_type",
+                f"NO runs a single process, but num_processes is {n} and num_machines "
+                f"is {self.num_machines}; use MULTI_CPU or MULTI_GPU",
+            )
         if self.use_cpu and self.distributed_type not in (None, "NO", "MULTI_CPU"):
-            fail("use_cpu", f"true contradicts distributed_type {self.distributed_type}; set use_cpu: false "
-                 "or distributed_type: MULTI_CPU")  # fmt: skip
+            fail(
+                "use_cpu",
+                f"true contradicts distributed_type {self.distributed_type}; set use_cpu: false "
+                "or distributed_type: MULTI_CPU",
+            )
         ids = self.device_ids
         if ids is not None and n is not None and not self.cpu and n // self.num_machines > len(ids):
-            fail("gpu_ids", f"{self.gpu_ids!r} lists {len(ids)} device(s) but each machine runs "
-                 f"{n // self.num_machines} processes")  # fmt: skip
+            fail(
+                "gpu_ids",
+                f"{self.gpu_ids!r} lists {len(ids)} device(s) but each machine runs "
+                f"{n // self.num_machines} processes",
+            )
 
     # -- what a launch uses ----------------------------------------------------------------
     @property
@@ -161,10 +210,15 @@ class ClusterConfig:
         try:
             ids = [int(part) for part in str(self.gpu_ids).split(",") if part.strip()]
         except ValueError:
-            raise ConfigError(self.path or "<config>", "gpu_ids",
-                              f"{self.gpu_ids!r} must be 'all' or device indices like '0,1'") from None  # fmt: skip
+            raise ConfigError(
+                self.path or "<config>",
+                "gpu_ids",
+                f"{self.gpu_ids!r} must be 'all' or device indices like '0,1'",
+            ) from None
         if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
-            raise ConfigError(self.path or "<config>", "gpu_ids", f"{self.gpu_ids!r} must list distinct indices >= 0")
+            raise ConfigError(
+                self.path or "<config>", "gpu_ids", f"{self.gpu_ids!r} must list distinct indices >= 0"
+            )
         return ids
 
     def launch_defaults(self) -> dict:
@@ -189,7 +243,9 @@ class ClusterConfig:
 
     # -- writing ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "path")}
+        out = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "path")
+        }
         for key in ("distributed_type", "num_processes", "gpu_ids"):
             if out[key] is None:
                 del out[key]
@@ -218,10 +274,20 @@ class ClusterConfig:
 
 
 _FIELD_TYPES = {
-    "compute_environment": _STR, "distributed_type": _STR, "mixed_precision": _STR, "use_cpu": _BOOL,
-    "debug": _BOOL, "num_processes": _INT, "num_machines": _INT, "machine_rank": _INT, "gpu_ids": (str, int),
-    "main_process_ip": _STR, "main_process_port": _INT, "rdzv_backend": _STR, "max_restarts": _INT,
-}  # fmt: skip
+    "compute_environment": _STR,
+    "distributed_type": _STR,
+    "mixed_precision": _STR,
+    "use_cpu": _BOOL,
+    "debug": _BOOL,
+    "num_processes": _INT,
+    "num_machines": _INT,
+    "machine_rank": _INT,
+    "gpu_ids": (str, int),
+    "main_process_ip": _STR,
+    "main_process_port": _INT,
+    "rdzv_backend": _STR,
+    "max_restarts": _INT,
+}
 _NULLABLE = ("distributed_type", "num_processes", "gpu_ids", "main_process_ip", "main_process_port")
 
 

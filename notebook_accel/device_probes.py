@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from .utils import families
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -42,8 +44,14 @@ def cuda_precision_flags(capability: Optional[Sequence[int]]) -> dict:
 
 
 def _record(index, uuid, name, total, free, capability) -> dict:
-    return {"index": index, "uuid": uuid, "name": name, "total_memory": total, "free_memory": free,
-            "compute_capability": capability}  # fmt: skip
+    return {
+        "index": index,
+        "uuid": uuid,
+        "name": name,
+        "total_memory": total,
+        "free_memory": free,
+        "compute_capability": capability,
+    }
 
 
 def _nvml_records(library: Optional[str] = None) -> Optional[list]:
@@ -127,8 +135,11 @@ def _nvidia_smi_records() -> Optional[list]:
         try:
             done = subprocess.run(
                 ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=30,
+                stdin=subprocess.DEVNULL,
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         if done.returncode == 0:
@@ -209,17 +220,22 @@ for i in range(mod.device_count()):
 print(json.dumps(out))
 """
 
-_PLUGINS = {"npu": "torch_npu", "mlu": "torch_mlu", "sdaa": "torch_sdaa", "musa": "torch_musa",
-            "hpu": "habana_frameworks.torch"}  # fmt: skip
+
+def _plugin(family: str) -> str:
+    # The vendor package that registers torch.<family>; "" for none (or a plain torch module like cpu).
+    return (families.family(family).plugin or "") if family in families.names() else ""
 
 
 def probe_in_child(family: str, timeout: float = 120.0) -> Optional[list]:
     """Device records for `family` read by a fresh Python process; None if that fails."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _PROBE_SCRIPT, family, _PLUGINS.get(family, "")],
-            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            [sys.executable, "-c", _PROBE_SCRIPT, family, _plugin(family)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
         if done.returncode != 0:
             return None
         return json.loads(done.stdout.strip().splitlines()[-1])
@@ -251,5 +267,3 @@ def _devices_from_child(family: str, records: list) -> list:
             )
         )
     return devices
-
-

@@ -29,57 +29,30 @@ from .device_probes import (  # noqa: F401  (re-exported: part of hardware's pub
     probe_in_child,
     visible_cuda_records,
 )
-from .utils import imports
-
-# Probe order: the first family present wins. mps has no multi-process backend.
-_PROBES = (
-    ("xla", lambda: imports.is_torch_xla_available(check_is_tpu=True)),
-    ("cuda", imports.is_cuda_available),
-    ("xpu", imports.is_xpu_available),
-    ("npu", imports.is_npu_available),
-    ("mlu", imports.is_mlu_available),
-    ("sdaa", imports.is_sdaa_available),
-    ("musa", imports.is_musa_available),
-    ("hpu", imports.is_hpu_available),
-    ("neuron", imports.is_neuron_available),
-    ("mps", imports.is_mps_available),
-)
+from .utils import current, families, imports
 
 
 def detect_device_family() -> Optional[str]:
     """The accelerator family present here, or None for CPU only. Never initialises CUDA."""
-    for family, probe in _PROBES:
-        try:
-            if probe():
-                return family
-        except Exception:
-            continue
-    return None
+    return families.detect()
 
 
 def device_count(family: Optional[str]) -> int:
+    """How many devices of `family` this process sees (NVML-based for CUDA: no initialisation)."""
     if family is None:
         return 0
-    if family == "cuda":
-        import torch
-
-        return int(torch.cuda.device_count())  # NVML-based, see utils.imports
-    if family in ("xla", "neuron"):
+    module = families.family(family).module()
+    if module is None:  # xla and neuron: one host device as far as a process here is concerned
         return 1
-    import torch
-
-    mod = getattr(torch, family, None)
     try:
-        return int(mod.device_count()) if mod is not None else 0
+        return int(module.device_count())
     except Exception:
         return 0
 
 
-
 def tpu_present(env: Mapping[str, str] = os.environ) -> bool:
     """A TPU host: torch_xla installed and the runtime's variables say TPU."""
-    signals = env.get("TPU_NAME") or env.get("COLAB_TPU_ADDR") or env.get("TPU_ACCELERATOR_TYPE")
-    return bool(imports.is_torch_xla_available() and (signals or env.get("PJRT_DEVICE", "").upper() == "TPU"))
+    return imports.is_torch_xla_available() and imports.tpu_runtime(env)
 
 
 def _probe_accelerators() -> list:
@@ -250,13 +223,32 @@ def _cores_and_ram() -> tuple:
         return logical, logical, page * pages, page * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def physical_cores() -> int:
+    """Physical cores this process may run on (its CPU affinity can allow fewer than the machine has)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        usable = os.cpu_count() or 1
+    return max(1, min(_cores_and_ram()[0], usable))
+
+
+def ram_available() -> int:
+    """Bytes of RAM available now (not cached: it changes as a notebook runs)."""
+    return _cores_and_ram()[3]
+
+
 def _versions() -> dict:
     from importlib import metadata
 
     from . import __version__
 
-    versions = {"python": platform.python_version(), "torch": None, "cuda": None, "torch_xla": None,
-                "notebook_accel": __version__}  # fmt: skip
+    versions = {
+        "python": platform.python_version(),
+        "torch": None,
+        "cuda": None,
+        "torch_xla": None,
+        "notebook_accel": __version__,
+    }
     if imports.is_torch_available():
         import torch
 
@@ -319,11 +311,17 @@ class HardwareReport:
             ("RAM", f"{_gib(self.ram_total)} GiB total, {_gib(self.ram_available)} GiB available"),
             ("Device family", self.device_family or "none (CPU only)"),
             ("TPU", "yes" if self.tpu else "no"),
-            *((name, v.get(key) or "-") for name, key in (
-                ("Python", "python"), ("torch", "torch"), ("CUDA (torch build)", "cuda"),
-                ("torch_xla", "torch_xla"), ("notebook_accel", "notebook_accel"),
-            )),
-        ]  # fmt: skip
+            *(
+                (name, v.get(key) or "-")
+                for name, key in (
+                    ("Python", "python"),
+                    ("torch", "torch"),
+                    ("CUDA (torch build)", "cuda"),
+                    ("torch_xla", "torch_xla"),
+                    ("notebook_accel", "notebook_accel"),
+                )
+            ),
+        ]
 
     def __str__(self) -> str:
         rows = self._rows()
@@ -337,8 +335,18 @@ class HardwareReport:
         for a in self.accelerators:
             cc = ".".join(map(str, a.compute_capability)) if a.compute_capability else "-"
             mem = f"{_gib(a.free_memory)} / {_gib(a.total_memory)} GiB" if a.total_memory else "-"
-            table.append((str(a.index), a.kind, a.name, mem, cc, yes[a.supports_bf16], yes[a.supports_fp16],
-                          yes[a.supports_fp8]))  # fmt: skip
+            table.append(
+                (
+                    str(a.index),
+                    a.kind,
+                    a.name,
+                    mem,
+                    cc,
+                    yes[a.supports_bf16],
+                    yes[a.supports_fp16],
+                    yes[a.supports_fp8],
+                )
+            )
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         lines.append("Accelerators:")
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
@@ -369,3 +377,7 @@ def report(refresh: bool = False) -> HardwareReport:
     with _lock:
         _report = result
     return result
+
+
+# The floor (utils/) asks for devices and memory through this registration; it cannot import us.
+current.register_machine_provider(sys.modules[__name__])

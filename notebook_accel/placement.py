@@ -9,21 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from .utils import families
 from .utils.dataclasses import DistributedType
 from .utils.environment import LaunchEnv
 
-# family -> (distributed type when world_size > 1, default collective backend)
+# family -> (distributed type when world_size > 1, default collective backend), for the families
+# that have a multi-process backend (mps has none).
 FAMILIES = {
-    "cuda": (DistributedType.MULTI_GPU, "nccl"),
-    "xpu": (DistributedType.MULTI_XPU, "xccl"),
-    "npu": (DistributedType.MULTI_NPU, "hccl"),
-    "mlu": (DistributedType.MULTI_MLU, "cncl"),
-    "sdaa": (DistributedType.MULTI_SDAA, "tccl"),
-    "musa": (DistributedType.MULTI_MUSA, "mccl"),
-    "hpu": (DistributedType.MULTI_HPU, "hccl"),
-    "neuron": (DistributedType.MULTI_NEURON, "xla"),
-    "xla": (DistributedType.XLA, "xla"),
+    f.name: (f.distributed_type, f.backend) for f in families.FAMILIES if f.distributed_type is not None
 }
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -44,13 +39,15 @@ def resolve_placement(
     CPU-only machines with world_size > 1 are MULTI_CPU on gloo, with the ranks the launcher gave:
     the user need not say cpu=True.
     """
-    if cpu or family is None or family == "mps":
+    if cpu or family is None or family == "mps":  # mps: one device, no multi-process backend
         if env.distributed:
             return Placement(DistributedType.MULTI_CPU, backend or "gloo", "cpu")
         return Placement(DistributedType.NO, backend, "cpu" if family != "mps" or cpu else "mps")
 
     if family not in FAMILIES:
-        raise ValueError(f"Unknown device family {family!r}; expected one of {sorted(FAMILIES)} or None for CPU.")
+        raise ValueError(
+            f"Unknown device family {family!r}; expected one of {sorted(FAMILIES)} or None for CPU."
+        )
     multi_type, default_backend = FAMILIES[family]
     if family == "xla":
         return Placement(DistributedType.XLA, backend or default_backend, "xla")

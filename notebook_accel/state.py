@@ -18,6 +18,7 @@ import torch
 
 from . import hardware
 from .placement import resolve_placement
+from .utils import current, families
 from .utils.dataclasses import DistributedType, parse_mixed_precision
 from .utils.environment import DEBUG_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV, parse_bool, read_launch_env
 
@@ -71,9 +72,12 @@ def _init_process_group(backend: str, env, timeout: Optional[datetime.timedelta]
         # torch's static rendezvous keeps one agent store across restarts with no per-attempt
         # prefix, so a restarted rank can read a dead peer's address and fail to connect.
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size, is_master=False,
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            env.world_size,
+            is_master=False,
             timeout=timeout or datetime.timedelta(minutes=30),
-        )  # fmt: skip
+        )
         kwargs["store"] = dist.PrefixStore(f"/notebook_accel/attempt_{attempt}", store)
     dist.init_process_group(**kwargs)
     if backend == "gloo" and env.world_size > 1:
@@ -83,7 +87,17 @@ def _init_process_group(backend: str, env, timeout: Optional[datetime.timedelta]
         dist.barrier()
 
 
-class PartialState:
+class _Borg:
+    """A state class: every instance shares the class's one dict (see SharedDict)."""
+
+    _shared_state: SharedDict
+
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state != {}
+
+
+class PartialState(_Borg):
     """Where this process sits in the job and which device it drives; no training settings."""
 
     _shared_state = SharedDict()
@@ -104,7 +118,11 @@ class PartialState:
         cpu = bool(cpu) or parse_bool(os.environ.get(USE_CPU_ENV, "0"))
         family = None if cpu else hardware.detect_device_family()
         placement = resolve_placement(
-            env, family, cpu=cpu, device_count=hardware.device_count(family), backend=kwargs.pop("backend", None)
+            env,
+            family,
+            cpu=cpu,
+            device_count=hardware.device_count(family),
+            backend=kwargs.pop("backend", None),
         )
         self._cpu = cpu
         self._launch_env = env
@@ -119,7 +137,9 @@ class PartialState:
         if placement.distributed_type == DistributedType.XLA:
             # xmp.spawn sets no RANK/WORLD_SIZE: the XLA runtime knows the topology.
             self.device, topology = _xla_device_and_topology()
-            (self.process_index, self.num_processes, self.local_process_index, self.num_local_processes) = topology
+            (self.process_index, self.num_processes, self.local_process_index, self.num_local_processes) = (
+                topology
+            )
         else:
             self.device = torch.device(placement.device)
         if env.distributed and placement.distributed_type != DistributedType.XLA:
@@ -138,10 +158,6 @@ class PartialState:
             f"Local process index: {self.local_process_index}\n"
             f"Device: {self.device}\n"
         )
-
-    @property
-    def initialized(self) -> bool:
-        return self._shared_state != {}
 
     @staticmethod
     def _reset_state() -> None:
@@ -223,7 +239,9 @@ class PartialState:
         _check_index("process_index", process_index)
         return self._only_if(function, lambda: self.process_index == process_index)
 
-    def on_local_process(self, function: Optional[Callable] = None, local_process_index: Optional[int] = None):
+    def on_local_process(
+        self, function: Optional[Callable] = None, local_process_index: Optional[int] = None
+    ):
         if function is None:
             return functools.partial(self.on_local_process, local_process_index=local_process_index)
         _check_index("local_process_index", local_process_index)
@@ -254,9 +272,9 @@ class PartialState:
     def set_device(self) -> None:
         """Make this process's device the current one for its family (no-op on CPU)."""
         kind = self.device.type
-        if kind in ("cpu", "mps", "xla", "meta"):
+        if kind not in families.names():  # cpu, meta
             return
-        module = getattr(torch, kind, None)
+        module = families.family(kind).module()  # None for xla and neuron; mps has no set_device
         if module is not None and hasattr(module, "set_device"):
             module.set_device(self.device)
 
@@ -281,7 +299,9 @@ def _split(inputs, num: int, index: int, apply_padding: bool):
     if isinstance(inputs, dict):
         lengths = {k: len(v) for k, v in inputs.items()}
         if len(set(lengths.values())) > 1:
-            raise ValueError(f"split_between_processes needs dict values of equal length; got lengths {lengths}.")
+            raise ValueError(
+                f"split_between_processes needs dict values of equal length; got lengths {lengths}."
+            )
         return {k: _split(v, num, index, apply_padding) for k, v in inputs.items()}
     if not hasattr(inputs, "__len__") or not hasattr(inputs, "__getitem__"):
         raise TypeError(
@@ -307,17 +327,37 @@ def _split(inputs, num: int, index: int, apply_padding: bool):
     return list(share) + list(last) * missing
 
 
-class AcceleratorState:
+class AcceleratorState(_Borg):
     """PartialState plus training settings (mixed precision, plugins); one per process."""
 
     _shared_state = SharedDict()
     _partial_attrs = (
-        "device", "backend", "distributed_type", "num_processes", "process_index", "local_process_index",
-        "num_local_processes", "fork_launched", "use_distributed", "is_main_process", "is_local_main_process",
-        "is_last_process", "default_device", "wait_for_everyone", "main_process_first",
-        "local_main_process_first", "split_between_processes", "on_main_process", "on_local_main_process",
-        "on_last_process", "on_process", "on_local_process", "print", "destroy_process_group", "set_device",
-    )  # fmt: skip
+        "device",
+        "backend",
+        "distributed_type",
+        "num_processes",
+        "process_index",
+        "local_process_index",
+        "num_local_processes",
+        "fork_launched",
+        "use_distributed",
+        "is_main_process",
+        "is_local_main_process",
+        "is_last_process",
+        "default_device",
+        "wait_for_everyone",
+        "main_process_first",
+        "local_main_process_first",
+        "split_between_processes",
+        "on_main_process",
+        "on_local_main_process",
+        "on_last_process",
+        "on_process",
+        "on_local_process",
+        "print",
+        "destroy_process_group",
+        "set_device",
+    )
 
     def __init__(
         self,
@@ -368,10 +408,6 @@ class AcceleratorState:
         return repr(self._partial) + f"Mixed precision type: {self._mixed_precision}\n"
 
     @property
-    def initialized(self) -> bool:
-        return self._shared_state != {}
-
-    @property
     def mixed_precision(self) -> str:
         return self._mixed_precision
 
@@ -386,7 +422,7 @@ class AcceleratorState:
             PartialState._reset_state()
 
 
-class GradientState:
+class GradientState(_Borg):
     """Whether gradients sync on this step, and which dataloader is running (for accumulation)."""
 
     _shared_state = SharedDict()
@@ -407,10 +443,6 @@ class GradientState:
             f"Sync Gradients: {self.sync_gradients}\nAt end of current dataloader: {self.end_of_dataloader}\n"
             f"Extra samples added: {self.remainder}\nGradient accumulation plugin: {self.plugin_kwargs}\n"
         )
-
-    @property
-    def initialized(self) -> bool:
-        return self._shared_state != {}
 
     @property
     def num_steps(self) -> int:
@@ -454,3 +486,7 @@ class GradientState:
     @staticmethod
     def _reset_state() -> None:
         GradientState._shared_state.clear()
+
+
+# Collectives in utils/ reach the state through this (they may not import this module).
+current.register_state_provider(PartialState)

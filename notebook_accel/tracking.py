@@ -81,7 +81,9 @@ def _plain(key: str, value):
         return {str(k): _plain(f"{key}.{k}", v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(f"{key}[{i}]", v) for i, v in enumerate(value)]
-    raise TypeError(f"Cannot log {key}={value!r}: a {type(value).__name__} is not a number, string, tensor, list or dict.")
+    raise TypeError(
+        f"Cannot log {key}={value!r}: a {type(value).__name__} is not a number, string, tensor, list or dict."
+    )
 
 
 class JSONLTracker(GeneralTracker):
@@ -96,7 +98,9 @@ class JSONLTracker(GeneralTracker):
 
     def __init__(self, run_name: str, logging_dir: str, **kwargs: Any) -> None:
         if not logging_dir:
-            raise ValueError("JSONLTracker needs a logging_dir (ProjectConfiguration(logging_dir=...) or project_dir).")
+            raise ValueError(
+                "JSONLTracker needs a logging_dir (ProjectConfiguration(logging_dir=...) or project_dir)."
+            )
         self.run_name = run_name
         self.run_dir = os.path.join(str(logging_dir), str(run_name))
         self.metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
@@ -120,9 +124,13 @@ class JSONLTracker(GeneralTracker):
             raise TypeError(f"log() takes a dict of name -> value, not {type(values).__name__}.")
         reserved = [k for k in ("step", "timestamp") if k in values]
         if reserved:
-            raise ValueError(f"{reserved} are written by the JSONL tracker itself; log the value under another name.")
+            raise ValueError(
+                f"{reserved} are written by the JSONL tracker itself; log the value under another name."
+            )
         if self._file is None or self._file.closed:
-            raise RuntimeError(f"The JSONL tracker for {self.run_dir!r} is finished; start new trackers to log again.")
+            raise RuntimeError(
+                f"The JSONL tracker for {self.run_dir!r} is finished; start new trackers to log again."
+            )
         record = {"step": step, "timestamp": time.time()}
         record.update({str(k): _plain(str(k), v) for k, v in values.items()})
         self._file.write(json.dumps(record) + "\n")
@@ -165,7 +173,9 @@ class TensorBoardTracker(GeneralTracker):
             if isinstance(value, str):
                 self.writer.add_text(key, value, global_step=step, **kwargs)
             elif isinstance(value, dict):
-                self.writer.add_scalars(key, {k: _plain(k, v) for k, v in value.items()}, global_step=step, **kwargs)
+                self.writer.add_scalars(
+                    key, {k: _plain(k, v) for k, v in value.items()}, global_step=step, **kwargs
+                )
             else:
                 self.writer.add_scalar(key, _plain(key, value), global_step=step, **kwargs)
         self.writer.flush()
@@ -184,7 +194,10 @@ def _tensorboard_available() -> bool:
     return True
 
 
-TRACKERS = {"jsonl": (JSONLTracker, lambda: True), "tensorboard": (TensorBoardTracker, _tensorboard_available)}
+TRACKERS = {
+    "jsonl": (JSONLTracker, lambda: True),
+    "tensorboard": (TensorBoardTracker, _tensorboard_available),
+}
 # accelerate's other integrations: named so the error can say what to do instead.
 _NOT_BUILT_IN = ("wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio")
 
@@ -219,10 +232,14 @@ def filter_trackers(log_with, logging_dir: Optional[str] = None) -> list:
                 f"around {name} and pass an instance, or use one of {sorted(TRACKERS)}."
             )
         if name not in TRACKERS:
-            raise ValueError(f"Unknown tracker {item!r} in log_with: choose from {sorted(TRACKERS) + ['all']}, or pass a GeneralTracker.")
+            raise ValueError(
+                f"Unknown tracker {item!r} in log_with: choose from {sorted(TRACKERS) + ['all']}, or pass a GeneralTracker."
+            )
         cls, available = TRACKERS[name]
         if not available():
-            raise ValueError(f"log_with={name!r} needs the {name} package, which is not installed: pip install {name}")
+            raise ValueError(
+                f"log_with={name!r} needs the {name} package, which is not installed: pip install {name}"
+            )
         resolved.append(cls)
     unique = []
     for item in resolved:  # "all" plus a name must not log twice
@@ -242,8 +259,13 @@ def _no_dir_message(name: str) -> str:
     )
 
 
-def make_trackers(run_name: str, trackers: list, logging_dir: Optional[str] = None, config: Optional[dict] = None,
-                  init_kwargs: Optional[dict] = None) -> list:  # fmt: skip
+def make_trackers(
+    run_name: str,
+    trackers: list,
+    logging_dir: Optional[str] = None,
+    config: Optional[dict] = None,
+    init_kwargs: Optional[dict] = None,
+) -> list:
     """Instances for what `filter_trackers` returned, each given `config` when not None.
 
     `init_kwargs` maps a tracker name to extra keyword arguments for its constructor.
@@ -251,7 +273,9 @@ def make_trackers(run_name: str, trackers: list, logging_dir: Optional[str] = No
     init_kwargs = init_kwargs or {}
     built = []
     for item in trackers:
-        tracker = item(run_name, logging_dir, **init_kwargs.get(item.name, {})) if isinstance(item, type) else item
+        tracker = (
+            item(run_name, logging_dir, **init_kwargs.get(item.name, {})) if isinstance(item, type) else item
+        )
         if config is not None:
             tracker.store_init_configuration(config)
         built.append(tracker)

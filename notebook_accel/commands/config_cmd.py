@@ -13,6 +13,7 @@ import socket
 import sys
 
 from .. import config as cfg
+from ..utils import families
 from .args import add_command
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*$")
@@ -65,7 +66,9 @@ def whole(low: int, high=None):
         except ValueError:
             raise ValueError("enter a whole number") from None
         if value < low or (high is not None and value > high):
-            raise ValueError(f"enter a number from {low} to {high}" if high is not None else f"enter {low} or more")
+            raise ValueError(
+                f"enter a number from {low} to {high}" if high is not None else f"enter {low} or more"
+            )
         return value
 
     return parse
@@ -126,7 +129,9 @@ def precision(report, cpu: bool):
         if value != "no" and not cpu:
             for device in report.accelerators:
                 if not getattr(device, f"supports_{value}", True):
-                    raise ValueError(f"{value} is not supported by {device.kind}:{device.index} ({device.name})")
+                    raise ValueError(
+                        f"{value} is not supported by {device.kind}:{device.index} ({device.name})"
+                    )
         if cpu and value == "fp8":
             raise ValueError("fp8 needs an accelerator that supports it; on CPU choose no, bf16 or fp16")
         return value
@@ -139,40 +144,66 @@ def questionnaire(report) -> cfg.ClusterConfig:
     family = report.device_family
     devices = len(report.accelerators)
     print("Answer each question, or press Enter to take the value in brackets.")
-    ask("Compute environment (LOCAL_MACHINE is the only one supported)", choice(["LOCAL_MACHINE"]), "LOCAL_MACHINE")
+    ask(
+        "Compute environment (LOCAL_MACHINE is the only one supported)",
+        choice(["LOCAL_MACHINE"]),
+        "LOCAL_MACHINE",
+    )
     machines = ask("How many machines will take part in the launch", whole(1), 1)
     rank, ip, port, rdzv = 0, None, None, "static"
     if machines > 1:
-        rank = ask(f"What is the rank of this machine (0 to {machines - 1}; 0 is the main machine)",
-                   whole(0, machines - 1), 0)  # fmt: skip
-        ip = ask("IP address or host name of the main machine (rank 0)", address, _own_address() if rank == 0 else None)
+        rank = ask(
+            f"What is the rank of this machine (0 to {machines - 1}; 0 is the main machine)",
+            whole(0, machines - 1),
+            0,
+        )
+        ip = ask(
+            "IP address or host name of the main machine (rank 0)",
+            address,
+            _own_address() if rank == 0 else None,
+        )
         port = ask("Port on the main machine for the processes to meet", whole(1, 65535), 29500)
-        rdzv = ask(f"Rendezvous backend ({', '.join(cfg.RDZV_BACKENDS)})", choice(cfg.RDZV_BACKENDS), "static")
+        rdzv = ask(
+            f"Rendezvous backend ({', '.join(cfg.RDZV_BACKENDS)})", choice(cfg.RDZV_BACKENDS), "static"
+        )
     if devices:
         cpu = ask(f"Run on CPU only, ignoring the {devices} {family} device(s) (yes/no)", yes_no, "no")
     else:
         print("No accelerator found here: the processes will run on the CPU.")
         cpu = True
     gpu_ids = None
-    if not cpu and family in ("cuda", "xpu", "npu", "mlu", "musa", "sdaa"):
-        gpu_ids = ask(f"Which {family} devices should be used (comma-separated, or all)", device_list(devices), "all")
+    if not cpu and family is not None and families.family(family).visible_env:  # devices can be chosen
+        gpu_ids = ask(
+            f"Which {family} devices should be used (comma-separated, or all)", device_list(devices), "all"
+        )
     usable = devices if gpu_ids in (None, "all") else len(gpu_ids.split(","))
     if cpu:
         per_machine = ask("How many processes on each machine", whole(1), 1)
     else:
-        per_machine = ask(f"How many processes on each machine (one per device, at most {usable})",
-                          whole(1, usable), usable)  # fmt: skip
+        per_machine = ask(
+            f"How many processes on each machine (one per device, at most {usable})", whole(1, usable), usable
+        )
     mixed = ask(f"Mixed precision ({', '.join(cfg.MIXED_PRECISIONS)})", precision(report, cpu), "no")
-    debug = ask("Check collectives across ranks for mismatched shapes (debug mode; slower) (yes/no)", yes_no, "no")
+    debug = ask(
+        "Check collectives across ranks for mismatched shapes (debug mode; slower) (yes/no)", yes_no, "no"
+    )
     total = per_machine * machines
     kind = "MULTI_CPU" if cpu else cfg.FAMILY_TYPES.get(family, "MULTI_GPU")
     if total == 1 and kind != "XLA":
         kind = "NO"
     config = cfg.ClusterConfig(
-        distributed_type=kind, mixed_precision=mixed, use_cpu=cpu, debug=debug, num_processes=total,
-        num_machines=machines, machine_rank=rank, gpu_ids=gpu_ids, main_process_ip=ip, main_process_port=port,
+        distributed_type=kind,
+        mixed_precision=mixed,
+        use_cpu=cpu,
+        debug=debug,
+        num_processes=total,
+        num_machines=machines,
+        machine_rank=rank,
+        gpu_ids=gpu_ids,
+        main_process_ip=ip,
+        main_process_port=port,
         rdzv_backend=rdzv,
-    )  # fmt: skip
+    )
     config.validate()
     return config
 

@@ -9,16 +9,25 @@ import platform
 
 # Variables that change what a launch does; shown when set.
 _RELEVANT_ENV = (
-    "NOTEBOOK_ACCEL_CONFIG_FILE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU", "ACCELERATE_DEBUG_MODE",
-    "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-)  # fmt: skip
+    "NOTEBOOK_ACCEL_CONFIG_FILE",
+    "ACCELERATE_MIXED_PRECISION",
+    "ACCELERATE_USE_CPU",
+    "ACCELERATE_DEBUG_MODE",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+)
 
 
 def add_parser(sub) -> None:
     env = sub.add_parser(
-        "env", help="show versions, hardware and the config in use",
+        "env",
+        help="show versions, hardware and the config in use",
         description="Print versions, hardware and the launch config in use, for bug reports.",
-    )  # fmt: skip
+    )
     env.add_argument("--json", action="store_true", help="print the report as JSON")
     env.add_argument("--config_file", default=None, help="the config to show (default: the one launches use)")
     env.set_defaults(run=run)

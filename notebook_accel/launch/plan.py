@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+from ..utils import families
 from .errors import LaunchConfigError
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -116,11 +117,33 @@ def make_plan(
     from ..utils.environment import DEBUG_ENV, LAUNCHER_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
 
     notes = []
-    (num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes, cpu, rdzv_backend,
-     max_restarts, debug, gpu_ids) = _with_config(
-        config_file, notes, num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes, cpu,
-        rdzv_backend, max_restarts, debug, gpu_ids,
-    )  # fmt: skip
+    (
+        num_processes,
+        mixed_precision,
+        use_port,
+        master_addr,
+        node_rank,
+        num_nodes,
+        cpu,
+        rdzv_backend,
+        max_restarts,
+        debug,
+        gpu_ids,
+    ) = _with_config(
+        config_file,
+        notes,
+        num_processes,
+        mixed_precision,
+        use_port,
+        master_addr,
+        node_rank,
+        num_nodes,
+        cpu,
+        rdzv_backend,
+        max_restarts,
+        debug,
+        gpu_ids,
+    )
     cpu = bool(cpu)
     master_addr = None if master_addr is None else str(master_addr)
     rdzv_backend = str(rdzv_backend)
@@ -133,7 +156,9 @@ def make_plan(
     num_nodes = _positive_int("num_nodes", num_nodes)
     node_rank = _int("node_rank", node_rank)
     if not 0 <= node_rank < num_nodes:
-        raise LaunchConfigError(f"node_rank={node_rank} must be in 0..{num_nodes - 1} for num_nodes={num_nodes}.")
+        raise LaunchConfigError(
+            f"node_rank={node_rank} must be in 0..{num_nodes - 1} for num_nodes={num_nodes}."
+        )
     max_restarts = _int("max_restarts", max_restarts)
     if max_restarts < 0:
         raise LaunchConfigError(f"max_restarts={max_restarts} must be 0 or more.")
@@ -162,7 +187,9 @@ def make_plan(
     if start_method == "fork" and not (engine == "local" and num_processes == 1):
         _check_fork_is_safe(cuda_matters=engine == "local")
     if engine == "elastic" and rdzv_backend == "static" and num_nodes > 1 and not master_addr:
-        raise LaunchConfigError("num_nodes > 1 with rdzv_backend='static' needs master_addr (the node-0 address).")
+        raise LaunchConfigError(
+            "num_nodes > 1 with rdzv_backend='static' needs master_addr (the node-0 address)."
+        )
 
     if rdzv_endpoint:
         _check_endpoint(rdzv_endpoint)
@@ -206,7 +233,7 @@ def make_plan(
 
 
 def choose_engine(family: Optional[str], num_nodes: int, max_restarts: int, rdzv_backend: str) -> str:
-    """"xla" on a TPU host (xmp.spawn, one process per core), "elastic" for what needs an agent
+    """ "xla" on a TPU host (xmp.spawn, one process per core), "elastic" for what needs an agent
     (several nodes, restarts, a dynamic rendezvous), else "local" (our own process manager)."""
     if family == "xla":
         return "xla"
@@ -244,9 +271,18 @@ def _default_num_processes(devices: int, engine: str, notes: list) -> int:
 
 
 _CONFIGURABLE = (
-    "num_processes", "mixed_precision", "use_port", "master_addr", "node_rank", "num_nodes", "cpu",
-    "rdzv_backend", "max_restarts", "debug", "gpu_ids",
-)  # fmt: skip
+    "num_processes",
+    "mixed_precision",
+    "use_port",
+    "master_addr",
+    "node_rank",
+    "num_nodes",
+    "cpu",
+    "rdzv_backend",
+    "max_restarts",
+    "debug",
+    "gpu_ids",
+)
 
 
 def _with_config(config_file, notes: list, *given) -> tuple:
@@ -256,7 +292,9 @@ def _with_config(config_file, notes: list, *given) -> tuple:
         return given
     values = dict(zip(_CONFIGURABLE, given))
     taken = {k: v for k, v in config.launch_defaults().items() if is_default(values[k])}
-    shown = [f"{k}={v!r}" for k, v in taken.items() if v != values[k] and not (values[k] is None and v is False)]
+    shown = [
+        f"{k}={v!r}" for k, v in taken.items() if v != values[k] and not (values[k] is None and v is False)
+    ]
     if shown:
         notes.append(f"notebook_accel: from {config.path}: {', '.join(shown)}")
     values.update(taken)
@@ -271,10 +309,7 @@ def _load_config(config_file):
 
 
 # The variable that restricts each family to the chosen device indices (gpu_ids).
-_VISIBLE_ENV = {
-    "cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK", "npu": "ASCEND_RT_VISIBLE_DEVICES",
-    "mlu": "MLU_VISIBLE_DEVICES", "musa": "MUSA_VISIBLE_DEVICES", "sdaa": "SDAA_VISIBLE_DEVICES",
-}  # fmt: skip
+_VISIBLE_ENV = {f.name: f.visible_env for f in families.FAMILIES if f.visible_env}
 
 
 def _visible_devices(family, gpu_ids, devices: int):
@@ -369,17 +404,9 @@ def _threads_per_process(num_processes: int, start_method: str, notes: list) -> 
 
 
 def _physical_cores() -> int:
-    try:
-        import psutil
+    from .. import hardware
 
-        cores = psutil.cpu_count(logical=False)
-    except Exception:
-        cores = None
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 1
-    return max(1, min(cores or usable, usable))
+    return hardware.physical_cores()
 
 
 def _parent_may_have_omp_pool() -> bool:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 from .dataclasses import (  # noqa: F401
     AutocastKwargs,
     ComputeEnvironment,
@@ -22,16 +20,30 @@ from .dataclasses import (  # noqa: F401
 )
 from .imports import *  # noqa: F401,F403
 from .imports import __dict__ as _imports_dict
+from .lazy import lazy_exports
 
 _EXPORTS = {
     # operations
     **{
         name: "operations"
         for name in (
-            "send_to_device", "recursively_apply", "gather", "gather_object", "broadcast",
-            "broadcast_object_list", "reduce", "pad_across_processes", "concatenate", "find_batch_size",
-            "DistributedOperationException", "is_tensor_information", "get_data_structure",
-            "honor_type", "listify", "slice_tensors", "convert_to_fp32",
+            "send_to_device",
+            "recursively_apply",
+            "gather",
+            "gather_object",
+            "broadcast",
+            "broadcast_object_list",
+            "reduce",
+            "pad_across_processes",
+            "concatenate",
+            "find_batch_size",
+            "DistributedOperationException",
+            "is_tensor_information",
+            "get_data_structure",
+            "honor_type",
+            "listify",
+            "slice_tensors",
+            "convert_to_fp32",
         )
     },
     # random
@@ -43,24 +55,28 @@ _EXPORTS = {
     "convert_file_size_to_int": "memory",
     "release_memory": "memory",
     "find_executable_batch_size": "memory",
-}  # fmt: skip
+}
 
 __all__ = sorted(
     list(_EXPORTS)
     + [
-        "AutocastKwargs", "ComputeEnvironment", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
-        "DistributedType", "DynamoBackend", "GradientAccumulationPlugin", "GradScalerKwargs",
-        "InitProcessGroupKwargs", "KwargsHandler", "PrecisionType", "ProjectConfiguration", "RNGType",
+        "AutocastKwargs",
+        "ComputeEnvironment",
+        "DataLoaderConfiguration",
+        "DistributedDataParallelKwargs",
+        "DistributedType",
+        "DynamoBackend",
+        "GradientAccumulationPlugin",
+        "GradScalerKwargs",
+        "InitProcessGroupKwargs",
+        "KwargsHandler",
+        "PrecisionType",
+        "ProjectConfiguration",
+        "RNGType",
         "TorchDynamoPlugin",
     ]
     + [n for n in _imports_dict if n.startswith("is_")]
 )
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'notebook_accel.utils' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _EXPORTS)

@@ -86,6 +86,7 @@ def parse_mixed_precision(value) -> str:
 
 # -- configuration records (accelerate's names and defaults) -----------------------------------
 
+
 class KwargsHandler:
     """Base of the kwargs handlers: `to_kwargs()` gives only the fields changed from their defaults."""
 
@@ -159,7 +160,9 @@ class GradientAccumulationPlugin(KwargsHandler):
 
     def __post_init__(self):
         if self.num_steps is not None and (not isinstance(self.num_steps, int) or self.num_steps < 1):
-            raise ValueError(f"GradientAccumulationPlugin(num_steps={self.num_steps!r}): pass a whole number >= 1.")
+            raise ValueError(
+                f"GradientAccumulationPlugin(num_steps={self.num_steps!r}): pass a whole number >= 1."
+            )
 
     def to_kwargs(self) -> dict:
         # GradientState reads every key, so give them all (not only the changed ones).
@@ -184,7 +187,9 @@ class ProjectConfiguration:
         if self.logging_dir is None:
             self.logging_dir = self.project_dir
         if self.total_limit is not None and (not isinstance(self.total_limit, int) or self.total_limit < 1):
-            raise ValueError(f"ProjectConfiguration(total_limit={self.total_limit!r}): pass a whole number >= 1 or None.")
+            raise ValueError(
+                f"ProjectConfiguration(total_limit={self.total_limit!r}): pass a whole number >= 1 or None."
+            )
 
 
 class DynamoBackend(_StrEnum):
@@ -207,7 +212,9 @@ class TorchDynamoPlugin(KwargsHandler):
     def __post_init__(self):
         if self.backend is None:
             self.backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
-        self.backend = str(self.backend.value if isinstance(self.backend, enum.Enum) else self.backend).lower()
+        self.backend = str(
+            self.backend.value if isinstance(self.backend, enum.Enum) else self.backend
+        ).lower()
 
     def to_compile_kwargs(self) -> dict:
         out = {"backend": self.backend, "fullgraph": self.fullgraph}

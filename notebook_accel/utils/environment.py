@@ -14,7 +14,12 @@ LAUNCHER_ENV = "NOTEBOOK_ACCEL_LAUNCHER"
 
 _MPI_SCHEMES = (
     # (rank, size, local rank, local size) variable names, by MPI implementation.
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
     ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
@@ -61,7 +66,9 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     if rank is not None or world is not None:
         if world is None:
-            raise ValueError(f"RANK={rank} is set but WORLD_SIZE is not; set both (as torchrun does) or neither.")
+            raise ValueError(
+                f"RANK={rank} is set but WORLD_SIZE is not; set both (as torchrun does) or neither."
+            )
         if rank is None:
             raise ValueError(
                 f"WORLD_SIZE={world} is set but RANK is not; set RANK for each process (torchrun does), "
@@ -92,5 +99,7 @@ def _checked(rank, world, local_rank, local_world, addr, port, source) -> Launch
     if local_rank is None:
         local_rank = rank % local_world
     if not 0 <= local_rank < local_world:
-        raise ValueError(f"LOCAL_RANK={local_rank} is outside 0..{local_world - 1} for LOCAL_WORLD_SIZE={local_world}.")
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} is outside 0..{local_world - 1} for LOCAL_WORLD_SIZE={local_world}."
+        )
     return LaunchEnv(rank, world, local_rank, local_world, addr, port, source)

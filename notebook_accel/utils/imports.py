@@ -10,6 +10,8 @@ import functools
 import importlib.util
 import os
 
+from . import current, families
+
 
 @functools.lru_cache(maxsize=None)
 def _has(name: str) -> bool:
@@ -19,74 +21,54 @@ def _has(name: str) -> bool:
         return False
 
 
-def is_torch_available() -> bool:
-    return _has("torch")
+# Optional packages: each probe looks for one of its modules without importing it.
+_PACKAGES = {
+    "torch": ("torch",),
+    "numpy": ("numpy",),
+    "cloudpickle": ("cloudpickle",),
+    "safetensors": ("safetensors",),
+    "psutil": ("psutil",),
+    "yaml": ("yaml",),
+    "ipython": ("IPython",),
+    "ipywidgets": ("ipywidgets",),
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "wandb": ("wandb",),
+    "mlflow": ("mlflow",),
+    "transformer_engine": ("transformer_engine",),
+    "torchao": ("torchao",),
+    "deepspeed": ("deepspeed",),
+    "ccl": ("oneccl_bindings_for_pytorch", "torch_ccl"),
+}
 
 
-def is_numpy_available() -> bool:
-    return _has("numpy")
+def _probe(name: str, check):
+    def probe() -> bool:
+        return check()
+
+    probe.__name__ = probe.__qualname__ = f"is_{name}_available"
+    return probe
 
 
-def is_cloudpickle_available() -> bool:
-    return _has("cloudpickle")
-
-
-def is_safetensors_available() -> bool:
-    return _has("safetensors")
-
-
-def is_psutil_available() -> bool:
-    return _has("psutil")
-
-
-def is_yaml_available() -> bool:
-    return _has("yaml")
-
-
-def is_ipython_available() -> bool:
-    return _has("IPython")
-
-
-def is_ipywidgets_available() -> bool:
-    return _has("ipywidgets")
-
-
-def is_tensorboard_available() -> bool:
-    return _has("tensorboard") or _has("tensorboardX")
-
-
-def is_wandb_available() -> bool:
-    return _has("wandb")
-
-
-def is_mlflow_available() -> bool:
-    return _has("mlflow")
-
-
-def is_transformer_engine_available() -> bool:
-    return _has("transformer_engine")
-
-
-def is_torchao_available() -> bool:
-    return _has("torchao")
-
-
-def is_deepspeed_available() -> bool:
-    return _has("deepspeed")
+for _name, _modules in _PACKAGES.items():
+    globals()[f"is_{_name}_available"] = _probe(_name, lambda modules=_modules: any(map(_has, modules)))
 
 
 def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = False) -> bool:
     """torch_xla installed (and, with a check, the PJRT device says TPU or GPU). Does not import it."""
     if not _has("torch_xla"):
         return False
-    device = os.environ.get("PJRT_DEVICE", "").upper()
     if check_is_tpu:
-        return device == "TPU" or any(
-            os.environ.get(k) for k in ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE")
-        )
+        return tpu_runtime(os.environ)
     if check_is_gpu:
-        return device in ("GPU", "CUDA")
+        return os.environ.get("PJRT_DEVICE", "").upper() in ("GPU", "CUDA")
     return True
+
+
+def tpu_runtime(env) -> bool:
+    """The runtime's variables in `env` say this host drives a TPU."""
+    if env.get("PJRT_DEVICE", "").upper() == "TPU":
+        return True
+    return any(env.get(k) for k in ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE"))
 
 
 def is_tpu_available(check_device: bool = True) -> bool:
@@ -104,73 +86,6 @@ def _fork_safe_cuda_count() -> int:
         return 0
 
 
-def is_cuda_available() -> bool:
-    if not is_torch_available():
-        return False
-    return _fork_safe_cuda_count() > 0
-
-
-def _torch_backend_available(attr: str) -> bool:
-    import torch
-
-    mod = getattr(torch, attr, None)
-    try:
-        return bool(mod is not None and mod.is_available())
-    except Exception:
-        return False
-
-
-def is_xpu_available() -> bool:
-    return is_torch_available() and _torch_backend_available("xpu")
-
-
-def is_mps_available() -> bool:
-    if not is_torch_available():
-        return False
-    import torch
-
-    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
-
-
-def _plugin_available(package: str, attr: str) -> bool:
-    """Vendor plugins (torch_npu, torch_mlu, ...) register torch.<attr> when imported."""
-    if not _has(package):
-        return False
-    try:
-        importlib.import_module(package)
-    except Exception:
-        return False
-    return _torch_backend_available(attr)
-
-
-def is_npu_available() -> bool:
-    return _plugin_available("torch_npu", "npu")
-
-
-def is_mlu_available() -> bool:
-    return _plugin_available("torch_mlu", "mlu")
-
-
-def is_sdaa_available() -> bool:
-    return _plugin_available("torch_sdaa", "sdaa")
-
-
-def is_musa_available() -> bool:
-    return _plugin_available("torch_musa", "musa")
-
-
-def is_hpu_available() -> bool:
-    return _has("habana_frameworks") and _plugin_available("habana_frameworks.torch", "hpu")
-
-
-def is_neuron_available() -> bool:
-    return _has("torch_neuronx")
-
-
-def is_ccl_available() -> bool:
-    return _has("oneccl_bindings_for_pytorch") or _has("torch_ccl")
-
-
 def is_mpi_available() -> bool:
     import torch.distributed as dist
 
@@ -181,18 +96,23 @@ def is_bf16_available(ignore_tpu: bool = False) -> bool:
     """bf16 works here: always on CPU (emulated where no native support); on CUDA, compute >= 8.0."""
     if is_tpu_available() and not ignore_tpu:
         return True
-    if is_cuda_available():
-        from .. import hardware
-
-        return all(d.supports_bf16 for d in hardware.accelerators())
+    if families.family("cuda").is_available():
+        return all(d.supports_bf16 for d in current.accelerators())
     return True
 
 
 def is_fp8_available() -> bool:
-    if not (is_transformer_engine_available() or is_torchao_available()):
+    if not any(map(_has, _PACKAGES["transformer_engine"] + _PACKAGES["torchao"])):
         return False
-    if not is_cuda_available():
+    if not families.family("cuda").is_available():
         return False
-    from .. import hardware
+    return any(d.supports_fp8 for d in current.accelerators())
 
-    return any(d.supports_fp8 for d in hardware.accelerators())
+
+# One probe per device family, from the family table (is_cuda_available, is_npu_available, ...);
+# xla's is is_torch_xla_available above, which takes arguments.
+for _family in families.FAMILIES:
+    if _family.name != "xla":
+        globals()[f"is_{_family.name}_available"] = _probe(_family.name, _family.is_available)
+
+__all__ = sorted(name for name in globals() if name.startswith("is_"))

@@ -41,12 +41,23 @@ _WEIGHT_EXTENSIONS = (".safetensors", ".bin", ".pt", ".pth")
 _ALIASES_KEY = "notebook_accel.aliases"  # written by serialization.save_model for tied tensors
 # safetensors dtype codes -> torch dtypes (the codes torch can hold)
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "C64": torch.complex64,
-    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
-    "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None), "U64": getattr(torch, "uint64", None),
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "C64": torch.complex64,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+    "F8_E5M2": getattr(torch, "float8_e5m2", None),
+    "U16": getattr(torch, "uint16", None),
+    "U32": getattr(torch, "uint32", None),
+    "U64": getattr(torch, "uint64", None),
+}
 
 
 class CheckpointReadError(ValueError):

@@ -12,11 +12,21 @@ from typing import Callable, Optional
 
 import torch
 
+from . import families
+
 _UNITS = {
     "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50,
-}  # fmt: skip
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "PB": 10**15,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "PIB": 2**50,
+}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 _EXAMPLES = "e.g. 10GiB, 500MB, 1.5GB, 20KiB, '3 GB', or a whole number of bytes such as 1048576"
 
@@ -67,22 +77,14 @@ def clear_device_cache(garbage_collection: bool = False) -> None:
     """
     if garbage_collection:
         gc.collect()
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    for name in ("xpu", "npu", "mlu", "sdaa", "musa", "hpu"):
-        module = getattr(torch, name, None)
+    for family in families.FAMILIES:
+        module = family.used_module()  # only caches that exist: never initialise a device here
         if module is None or not hasattr(module, "empty_cache"):
-            continue
-        initialised = getattr(module, "is_initialized", None)
-        if initialised is not None and not initialised():
             continue
         try:
             module.empty_cache()
         except Exception:  # a family without a usable device: nothing cached
             pass
-    mps = getattr(torch, "mps", None)
-    if mps is not None and torch.backends.mps.is_available():
-        mps.empty_cache()
 
 
 def release_memory(*objects):

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from . import current, families
+from .lazy import lazy_exports
 from .memory import parse_memory_size
 
 _KNOWN_DEVICES = "an integer accelerator id, 'cpu', 'disk', 'meta', 'mps' or a torch device such as 'cuda:1'"
@@ -200,9 +202,7 @@ def check_tied_parameters_on_same_device(tied_params: list, device_map: dict) ->
 
 
 def _accelerator_family() -> str:
-    from ..hardware import accelerators
-
-    found = accelerators()
+    found = current.accelerators()
     return found[0].kind if found else "cuda"
 
 
@@ -330,7 +330,8 @@ def _check_device_value(key, device) -> None:
         raise ValueError(f"device_map[{key!r}] = {device!r} is not a device: use {_KNOWN_DEVICES}.")
 
 
-_PROBED_KINDS = ("cuda", "xpu", "npu", "mlu", "musa", "hpu", "mps", "sdaa")
+# Families whose devices the machine lists by index (xla and neuron have no torch module to count).
+_PROBED_KINDS = tuple(f.name for f in families.FAMILIES if f.torch_module is not None)
 
 
 def check_devices_exist(device_map: dict) -> None:
@@ -339,15 +340,13 @@ def check_devices_exist(device_map: dict) -> None:
     Without this, weights placed on `0` on a CPU-only machine fail only at forward time, with
     torch's "cannot access accelerator device". Asks hardware.py, which leaves CUDA uninitialised.
     """
-    from ..hardware import accelerators
-
     for key, device in device_map.items():
         if device in ("disk", "meta", "cpu") or isinstance(device, bool):
             continue
         target = to_torch_device(device)
         if target.type not in _PROBED_KINDS:  # cpu, meta, xla: nothing to count here
             continue
-        have = sorted(a.index for a in accelerators() if a.kind == target.type)
+        have = sorted(a.index for a in current.accelerators() if a.kind == target.type)
         if not have:
             raise ValueError(
                 f"device_map[{key!r}] = {device!r}, but this machine has no {target.type} device: map it to "
@@ -444,17 +443,13 @@ def get_max_memory(max_memory: Optional[dict] = None) -> dict:
     plan can be made for another machine).
     """
     if max_memory is None:
-        import psutil
-
-        from ..hardware import accelerators
-
         found = {}
-        for device in accelerators():
+        for device in current.accelerators():
             free = device.free_memory if device.free_memory is not None else device.total_memory
             if free is not None:
                 key = device.index if device.kind != "mps" else "mps"
                 found[key] = int(free)
-        found["cpu"] = int(psutil.virtual_memory().available)
+        found["cpu"] = int(current.ram_available())
         return found
     if not isinstance(max_memory, dict):
         raise ValueError(
@@ -491,15 +486,7 @@ _ELSEWHERE = {
 }
 
 
-def __getattr__(name: str):
-    module = _ELSEWHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{module}", __package__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _ELSEWHERE)
 
 
 def __dir__():

@@ -22,10 +22,18 @@ INDEX_NAME = "index.json"
 
 # torch dtype -> numpy dtype of the same bytes; anything missing here is stored as raw integer bits.
 _NUMPY = {
-    torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
-    torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-    torch.uint8: np.uint8, torch.bool: np.bool_, torch.complex64: np.complex64, torch.complex128: np.complex128,
-}  # fmt: skip
+    torch.float64: np.float64,
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
 _BITS = {
     1: (torch.uint8, np.uint8),
     2: (torch.int16, np.int16),

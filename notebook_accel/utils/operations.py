@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..state import PartialState
+from . import families
+from .current import current_state
 from .dataclasses import DistributedType
 
 
@@ -115,7 +116,7 @@ def send_to_device(tensor, device, non_blocking: bool = False, skip_keys=None):
 
 def _normalise_device(device):
     # Some vendor plugins (torch_npu, early xpu) cannot resolve a bare family name before first use.
-    if device in ("npu", "xpu", "mlu", "musa", "sdaa"):
+    if isinstance(device, str) and device in families.names() and families.family(device).needs_index:
         return f"{device}:0"
     return device
 
@@ -241,8 +242,8 @@ def convert_outputs_to_fp32(model_forward: Callable) -> Callable:
 
 def _active_state():
     """The PartialState when collectives must communicate, else None (single process)."""
-    state = PartialState()
-    return state if state.use_distributed else None
+    state = current_state()
+    return state if state is not None and state.use_distributed else None
 
 
 def _describe(data):

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 from typing import Iterable, Optional, Union
 
 import torch
 
-from ..state import PartialState
+from . import families
+from .current import current_state
 from .dataclasses import DistributedType, RNGType
 from .imports import is_cuda_available, is_torch_xla_available
 
-# Device families whose torch module exposes manual_seed_all / get_rng_state / set_rng_state.
-_DEVICE_RNG_FAMILIES = ("cuda", "xpu", "npu", "mlu", "sdaa", "musa", "hpu")
+# Device families whose torch module keeps its own RNG states (manual_seed_all, get/set_rng_state).
+_DEVICE_RNG_FAMILIES = tuple(f.name for f in families.FAMILIES if f.own_rng)
 
 
 def _family_module(name: str, for_seeding: bool = False):
@@ -38,7 +40,8 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     `torch.use_deterministic_algorithms(True)`.
     """
     if device_specific:
-        seed += PartialState().process_index
+        state = current_state()
+        seed += state.process_index if state is not None else 0
     random.seed(seed)
     try:
         import numpy as np
@@ -99,14 +102,15 @@ def synchronize_rng_state(
     if rng_type is None:
         return
     rng_type = _parse_rng_type(rng_type)
-    state = PartialState()
-    xla = state.distributed_type == DistributedType.XLA
+    state = current_state()
+    distributed = state is not None and state.use_distributed
+    xla = state is not None and state.distributed_type == DistributedType.XLA
     if rng_type == RNGType.XLA:
-        if xla and state.use_distributed:
+        if xla and distributed:
             _xla_sync_seed()
         return
     rng_state = _get_state(rng_type, generator)
-    if not state.use_distributed:
+    if not distributed:
         return
     if xla:  # XLA processes share no torch.distributed group
         _set_state(rng_type, generator, _xla_value_of_rank0(rng_state))
@@ -124,6 +128,76 @@ def synchronize_rng_states(
     """synchronize_rng_state for each type in `rng_types` ("torch", "cuda", "xla", "generator", ...)."""
     for rng_type in rng_types:
         synchronize_rng_state(rng_type, generator=generator)
+
+
+# -- every generator at once, for checkpoints ----------------------------------------------------
+
+
+def capture_rng_states() -> dict:
+    """Python's, numpy's, torch's and each used device family's RNG states (and XLA's seed).
+
+    Plain tuples and tensors only, so the file a checkpoint writes loads with
+    torch.load(weights_only=True). A device family nobody used here is left out: reading it would
+    initialise it, and its RNG is still the seeded one.
+    """
+    import numpy as np
+
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    states = {
+        "random_state": random.getstate(),
+        "numpy_random_seed": (
+            name,
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(gauss),
+        ),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
+    for name in _DEVICE_RNG_FAMILIES:
+        module = families.family(name).used_module()
+        if module is None or not hasattr(module, "get_rng_state"):
+            continue
+        every = getattr(module, "get_rng_state_all", None)
+        states[f"torch_{name}_manual_seed"] = list(every()) if every else [module.get_rng_state()]
+    if "torch_xla" in sys.modules:
+        try:
+            import torch_xla.core.xla_model as xm
+
+            states["xm_seed"] = int(xm.get_rng_state())
+        except Exception:  # installed but unusable: nothing to save
+            pass
+    return states
+
+
+def restore_rng_states(states: dict) -> None:
+    """Put back what capture_rng_states returned (devices this process lacks are skipped)."""
+    import numpy as np
+
+    random.setstate(states["random_state"])
+    name, keys, pos, has_gauss, gauss = states["numpy_random_seed"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(states["torch_manual_seed"])
+    for key, per_device in states.items():
+        match = re.fullmatch(r"torch_(\w+)_manual_seed", key)
+        if not match or match.group(1) not in _DEVICE_RNG_FAMILIES:
+            continue
+        module = getattr(torch, match.group(1), None)
+        if module is None or not hasattr(module, "set_rng_state"):
+            continue
+        try:
+            count = module.device_count() if hasattr(module, "device_count") else 1
+        except Exception:
+            count = 0
+        for device, state in enumerate(per_device[:count]):
+            if hasattr(module, "get_rng_state_all"):
+                module.set_rng_state(state, device)
+            else:
+                module.set_rng_state(state)
+    if "xm_seed" in states and "torch_xla" in sys.modules:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(states["xm_seed"])
 
 
 # -- the XLA boundary: the only calls into torch_xla ----------------------------------------------

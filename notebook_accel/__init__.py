@@ -6,10 +6,11 @@ and never imports IPython or ipywidgets (a worker process or a plain script has 
 
 from __future__ import annotations
 
-import importlib
 import sys
 
-__version__ = "0.1.0"
+from .utils import current as _current
+from .utils.lazy import lazy_exports
+from .utils.version import __version__
 
 _EXPORTS = {
     "PartialState": "state",
@@ -46,19 +47,25 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'notebook_accel' has no attribute {name!r}")
-    try:
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith(f"{__name__}."):
-            raise AttributeError(f"notebook_accel.{name} is not built yet (no module {exc.name}).") from None
-        raise
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _EXPORTS)
 
+
+# The composition root. The floor (utils/) may not import state or hardware, yet collectives need
+# the process's state and device-map planning the machine: lend them, imported on first use.
+def _state():
+    from .state import PartialState
+
+    return PartialState()
+
+
+def _machine():
+    from . import hardware
+
+    return hardware
+
+
+_current.register_state_provider(_state)
+_current.register_machine_provider(_machine)
 
 if "ipykernel" in sys.modules:  # in a kernel: launches get the live panel and `Cell In[N]` labels
     from .jupyter import register_frontend

@@ -240,7 +240,7 @@ def ram_available() -> int:
 def _versions() -> dict:
     from importlib import metadata
 
-    from . import __version__
+    from .utils.version import __version__
 
     versions = {
         "python": platform.python_version(),

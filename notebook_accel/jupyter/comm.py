@@ -134,7 +134,7 @@ def launch_defaults() -> dict:
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..utils.version import __version__
 
     return __version__
 

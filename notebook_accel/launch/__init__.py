@@ -5,7 +5,7 @@ Names load lazily, so a front end can register with `launch.frontend` without im
 
 from __future__ import annotations
 
-import importlib
+from ..utils.lazy import lazy_exports
 
 _EXPORTS = {
     "LaunchControl": "control",
@@ -35,13 +35,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _EXPORTS)
 
 
 def __dir__():

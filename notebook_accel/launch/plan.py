@@ -168,7 +168,7 @@ def make_plan(
     family = None if cpu else hardware.detect_device_family()
     engine = choose_engine(family, num_nodes, max_restarts, rdzv_backend)
 
-    devices = hardware.device_count(family) if family not in (None, "mps", "xla") else 0
+    devices = hardware.device_count(family) if family and families.family(family).rank_per_device else 0
     visible = _visible_devices(family, gpu_ids, devices)
     if visible:
         devices = len(visible[1].split(","))

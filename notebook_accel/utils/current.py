@@ -21,7 +21,8 @@ def register_state_provider(provider: Callable) -> None:
 
 
 def register_machine_provider(machine) -> None:
-    """`machine` answers accelerators() and ram_available() (the hardware module itself)."""
+    """`machine` answers accelerators() and ram_available() (the hardware module itself), or is a
+    function that returns it (the package root lends one that imports hardware on first use)."""
     global _machine_provider
     _machine_provider = machine
 
@@ -58,7 +59,7 @@ def _machine():
             "The machine's devices are not known yet: `import notebook_accel.hardware` (any Accelerator, "
             "PartialState or notebook_launcher does) before asking for them."
         )
-    return _machine_provider
+    return _machine_provider() if callable(_machine_provider) else _machine_provider
 
 
 def accelerators() -> list:

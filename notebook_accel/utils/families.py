@@ -26,6 +26,7 @@ class Family:
     visible_env: Optional[str] = None  # the variable that restricts a process to chosen devices
     own_rng: bool = False  # the torch module keeps per-device RNG states
     needs_index: bool = False  # some plugins cannot resolve a bare "npu" before first use: say "npu:0"
+    rank_per_device: bool = True  # a launch runs one rank per device by default, and at most that many
 
     def module(self):
         """The torch module (torch.cuda, ...) if torch has it here, else None. Imports no plugin."""
@@ -84,7 +85,7 @@ class Family:
 
 _MULTI = DistributedType
 FAMILIES = (
-    Family("xla", _MULTI.XLA, "xla"),
+    Family("xla", _MULTI.XLA, "xla", rank_per_device=False),  # xmp.spawn decides from the topology
     Family("cuda", _MULTI.MULTI_GPU, "nccl", "torch.cuda", None, "CUDA_VISIBLE_DEVICES", own_rng=True),
     Family(
         "xpu", _MULTI.MULTI_XPU, "xccl", "torch.xpu", None, "ZE_AFFINITY_MASK", own_rng=True, needs_index=True
@@ -132,7 +133,7 @@ FAMILIES = (
     Family("hpu", _MULTI.MULTI_HPU, "hccl", "torch.hpu", "habana_frameworks.torch", own_rng=True),
     Family("neuron", _MULTI.MULTI_NEURON, "xla"),
     # Apple GPUs: one device, no multi-process backend; torch.mps keeps the RNG of that one device.
-    Family("mps", None, None, "torch.mps", own_rng=True),
+    Family("mps", None, None, "torch.mps", own_rng=True, rank_per_device=False),  # one device, one process
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 

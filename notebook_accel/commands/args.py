@@ -1,17 +1,10 @@
-"""What the CLI's subcommands and the %%accelerate magic share: adding a subcommand, and the
-argparse `type=` validators, so a bad value reads the same in a terminal and in a notebook."""
+"""The argparse `type=` validators the CLI's subcommands and the %%accelerate magic share, so a bad
+value reads the same in a terminal and in a notebook."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Callable
-
-
-def add_command(sub, name: str, run: Callable, help: str, description: str) -> argparse.ArgumentParser:
-    """Add the subcommand `name` to `sub` (from add_subparsers); its parsed arguments go to `run`."""
-    parser = sub.add_parser(name, help=help, description=description)
-    parser.set_defaults(run=run)
-    return parser
 
 
 def whole(text: str) -> int:

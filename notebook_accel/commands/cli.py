@@ -8,14 +8,49 @@ from typing import Optional, Sequence
 
 from . import config_cmd, env_cmd, launch_cmd, selfcheck
 
+# name -> (module with add_arguments(parser) and run(args), one-line help, description)
+COMMANDS = {
+    "config": (
+        config_cmd,
+        "answer a few questions and save them as the launch config",
+        (
+            "Ask about machines, devices, processes and precision, then write the launch config "
+            "(accelerate's YAML keys) that notebook_launcher and `notebook-accel launch` use by default."
+        ),
+    ),
+    "launch": (
+        launch_cmd,
+        "run a script (or -m module) on N processes",
+        (
+            "Run a script on N processes (and M machines). Options left out come from the config file "
+            "(see `notebook-accel config`), else from this machine's hardware."
+        ),
+    ),
+    "env": (
+        env_cmd,
+        "show versions, hardware and the config in use",
+        "Print versions, hardware and the launch config in use, for bug reports.",
+    ),
+    "test": (
+        selfcheck,
+        "run a short distributed self-check on this machine",
+        (
+            "Start CPU ranks (gloo) and check the process group, all_reduce, gather and broadcast; "
+            "prints 'success' or what failed."
+        ),
+    ),
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="notebook-accel", description="Run PyTorch on N processes from a notebook."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (config_cmd, launch_cmd, env_cmd, selfcheck):
-        module.add_parser(sub)
+    for name, (module, help, description) in COMMANDS.items():
+        p = sub.add_parser(name, help=help, description=description)
+        p.set_defaults(run=module.run)
+        module.add_arguments(p)
     return parser
 
 

@@ -14,20 +14,11 @@ import sys
 
 from .. import config as cfg
 from ..utils import families
-from .args import add_command
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*$")
 
 
-HELP = "answer a few questions and save them as the launch config"
-DESCRIPTION = (
-    "Ask about machines, devices, processes and precision, then write the launch config "
-    "(accelerate's YAML keys) that notebook_launcher and `notebook-accel launch` use by default."
-)
-
-
-def add_parser(sub) -> None:
-    p = add_command(sub, "config", run, HELP, DESCRIPTION)
+def add_arguments(p) -> None:
     p.add_argument(
         "--config_file",
         default=None,

@@ -22,15 +22,9 @@ _RELEVANT_ENV = (
 )
 
 
-def add_parser(sub) -> None:
-    env = sub.add_parser(
-        "env",
-        help="show versions, hardware and the config in use",
-        description="Print versions, hardware and the launch config in use, for bug reports.",
-    )
-    env.add_argument("--json", action="store_true", help="print the report as JSON")
-    env.add_argument("--config_file", default=None, help="the config to show (default: the one launches use)")
-    env.set_defaults(run=run)
+def add_arguments(p) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--config_file", default=None, help="the config to show (default: the one launches use)")
 
 
 def config_section(config_file=None) -> dict:

@@ -15,17 +15,10 @@ import sys
 import traceback
 
 from .. import config as cfg
-from .args import add_command, non_negative, port, positive, positive_seconds
-
-HELP = "run a script (or -m module) on N processes"
-DESCRIPTION = (
-    "Run a script on N processes (and M machines). Options left out come from the config file "
-    "(see `notebook-accel config`), else from this machine's hardware."
-)
+from .args import non_negative, port, positive, positive_seconds
 
 
-def add_parser(sub) -> None:
-    p = add_command(sub, "launch", run, HELP, DESCRIPTION)
+def add_arguments(p) -> None:
     p.set_defaults(parser=p)  # run() reports bad values through it
     p.add_argument(
         "--config_file", default=None, help="config to read (default: the one `notebook-accel config` wrote)"

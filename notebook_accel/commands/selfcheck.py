@@ -5,17 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .args import add_command
 
-HELP = "run a short distributed self-check on this machine"
-DESCRIPTION = (
-    "Start CPU ranks (gloo) and check the process group, all_reduce, gather and broadcast; "
-    "prints 'success' or what failed."
-)
-
-
-def add_parser(sub) -> None:
-    p = add_command(sub, "test", run, HELP, DESCRIPTION)
+def add_arguments(p) -> None:
     p.add_argument(
         "--num_processes",
         type=int,

@@ -23,6 +23,8 @@ class LaunchStarted:
 
 @dataclass(frozen=True)
 class RankStarted:
+    """A rank's process is up (its pid) and about to run the function."""
+
     rank: int
     pid: int
 
@@ -43,6 +45,8 @@ class RankOutput:
 
 @dataclass(frozen=True)
 class RankFinished:
+    """A rank returned; its result reached the launcher `seconds` after the rank started."""
+
     rank: int
     seconds: float
 

@@ -117,33 +117,13 @@ def make_plan(
     from ..utils.environment import DEBUG_ENV, LAUNCHER_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
 
     notes = []
-    (
-        num_processes,
-        mixed_precision,
-        use_port,
-        master_addr,
-        node_rank,
-        num_nodes,
-        cpu,
-        rdzv_backend,
-        max_restarts,
-        debug,
-        gpu_ids,
-    ) = _with_config(
-        config_file,
-        notes,
-        num_processes,
-        mixed_precision,
-        use_port,
-        master_addr,
-        node_rank,
-        num_nodes,
-        cpu,
-        rdzv_backend,
-        max_restarts,
-        debug,
-        gpu_ids,
+    arguments = locals()
+    # The config file fills in what the caller left out.
+    chosen = _with_config(config_file, notes, {name: arguments[name] for name in _CONFIGURABLE})
+    num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes, cpu = (
+        chosen[name] for name in _CONFIGURABLE[:7]
     )
+    rdzv_backend, max_restarts, debug, gpu_ids = (chosen[name] for name in _CONFIGURABLE[7:])
     cpu = bool(cpu)
     master_addr = None if master_addr is None else str(master_addr)
     rdzv_backend = str(rdzv_backend)
@@ -285,12 +265,12 @@ _CONFIGURABLE = (
 )
 
 
-def _with_config(config_file, notes: list, *given) -> tuple:
-    """The arguments (in _CONFIGURABLE order), with the config's values where the caller chose none."""
+def _with_config(config_file, notes: list, given: dict) -> dict:
+    """`given` ({name in _CONFIGURABLE: value}), with the config's values where the caller chose none."""
     config = _load_config(config_file)
     if config is None:
         return given
-    values = dict(zip(_CONFIGURABLE, given))
+    values = dict(given)
     taken = {k: v for k, v in config.launch_defaults().items() if is_default(values[k])}
     shown = [
         f"{k}={v!r}" for k, v in taken.items() if v != values[k] and not (values[k] is None and v is False)
@@ -298,7 +278,7 @@ def _with_config(config_file, notes: list, *given) -> tuple:
     if shown:
         notes.append(f"notebook_accel: from {config.path}: {', '.join(shown)}")
     values.update(taken)
-    return tuple(values[k] for k in _CONFIGURABLE)
+    return values
 
 
 def _load_config(config_file):

@@ -1,4 +1,4 @@
-"""Launch a function on N processes: plan -> start -> worker -> channel -> events -> sinks.
+"""Launch a function on N processes: plan -> starter -> child -> channel -> events -> sinks.
 
 Names load lazily, so a front end can register with `launch.frontend` without importing torch.
 """

@@ -1,4 +1,4 @@
-"""The function and its arguments as bytes, for children that do not share the parent's memory.
+"""What a launch runs (`Payload`), and its bytes for children that do not share the parent's memory.
 
 cloudpickle sends notebook-defined functions and classes by value. Cells' source lines travel too
 (they live only in the parent's linecache), so a child's traceback shows the user's code.

@@ -64,6 +64,8 @@ class RankFailed:
     signal_name: Optional[str] = None
 
     def summary(self) -> str:
+        if self.message and not self.exc_type:  # the launcher's own word on it (forkserver lost)
+            return f"rank {self.rank} failed: {self.message}"
         if self.exc_type:
             return f"rank {self.rank} raised {self.exc_type}: {self.message}"
         if self.signal_name:

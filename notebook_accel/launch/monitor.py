@@ -81,7 +81,8 @@ class Monitor:
             if kind == "control":
                 self.control.drain()
             elif kind == "warm":
-                self.warm.pump()
+                if not self.warm.pump():
+                    self._server_lost()
             elif kind == "exit":
                 self.sel.unregister(key.fileobj)
                 r.proc.poll()
@@ -146,6 +147,21 @@ class Monitor:
         self.sink.handle(failure)
         if self.stop_sent_at is None:
             self.stop(f"rank {r.rank} failed")
+
+    def _server_lost(self) -> None:
+        """The forkserver's socket ended: its ranks died with it (they die with their parent), and
+        their exit codes will never come. Fail every rank still running, naming the cause."""
+        self.sel.unregister(self.warm.sock)
+        for r in self.ranks:
+            if r.done:
+                continue
+            r.proc.send_signal(signal.SIGKILL)  # in case one outlived its parent
+            r.done = True
+            for event in r.channel.flush():
+                self.sink.handle(event)
+            failure = ev.RankFailed(r.rank, r.proc.pid, None, message=self.warm.lost)
+            self.failures.append(failure)
+            self.sink.handle(failure)
 
     def stop(self, reason: str) -> None:
         """Ask every running rank to stop (SIGTERM), SIGKILL after STOP_GRACE_S."""

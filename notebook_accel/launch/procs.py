@@ -6,11 +6,15 @@ Every rank leads its own process group, so stopping it stops its children (DataL
 
 from __future__ import annotations
 
+import functools
 import os
+import queue
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from typing import Callable, Optional
 
 from . import child
@@ -51,6 +55,13 @@ class RankProcess:
             self.exitcode = os.waitstatus_to_exitcode(status)
         return self.exitcode
 
+    def exited(self) -> bool:
+        """The process has ended; a forkserver rank's exit code may still be on its way (or, with
+        the server gone, never come)."""
+        if self.poll() is not None:
+            return True
+        return self.exit_fd is not None and bool(select.select([self.exit_fd], [], [], 0)[0])
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is not None:
             return
@@ -78,26 +89,66 @@ def _channels():
     return tuple(p for p, _ in pairs), tuple(c for _, c in pairs)
 
 
+class _LastingThread:
+    """One thread that lives as long as the process, to fork and spawn ranks on. A rank's
+    PR_SET_PDEATHSIG fires when the *thread* that forked it ends, not the process: ranks forked
+    by a launch or session started from a short-lived thread would die with that thread."""
+
+    _lock = threading.Lock()
+    _jobs: Optional[queue.SimpleQueue] = None
+
+    @classmethod
+    def call(cls, fn, *args):
+        if threading.current_thread() is threading.main_thread():
+            return fn(*args)  # the main thread lasts as long as the process
+        with cls._lock:
+            if cls._jobs is None:
+                cls._jobs = queue.SimpleQueue()
+                threading.Thread(target=cls._serve, name="notebook_accel-forker", daemon=True).start()
+        done, box = threading.Event(), {}
+        cls._jobs.put((fn, args, box, done))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    @classmethod
+    def _serve(cls) -> None:
+        while True:
+            fn, args, box, done = cls._jobs.get()
+            try:
+                box["value"] = fn(*args)
+            except BaseException as exc:
+                box["error"] = exc
+            done.set()
+
+
 def start_fork(local_rank: int, rank: int, env: dict, threads: int, function, args) -> RankProcess:
     parents, children = _channels()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 1
-        try:
-            os.setpgid(0, 0)
-            _after_fork_like_multiprocessing()
-            for sock in parents:
-                sock.close()
-            fds = tuple(c.detach() for c in children)
-            code = child.run(rank, fds, env, threads, lambda: (function, args))
-            _exit_like_multiprocessing()
-        finally:
-            os._exit(code)
+    # The child goes on in the thread that forked: the whole rank runs inside _fork_rank.
+    pid = _LastingThread.call(_fork_rank, parents, children, rank, env, threads, function, args)
     for sock in children:
         sock.close()
     return RankProcess(local_rank, pid, parents)
+
+
+def _fork_rank(parents, children, rank: int, env: dict, threads: int, function, args) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        _after_fork_like_multiprocessing()
+        for sock in parents:
+            sock.close()
+        fds = tuple(c.detach() for c in children)
+        code = child.run(rank, fds, env, threads, lambda: (function, args))
+        _exit_like_multiprocessing()
+    finally:
+        os._exit(code)
 
 
 def _after_fork_like_multiprocessing() -> None:
@@ -135,7 +186,8 @@ def start_spawn(local_rank: int, rank: int, env: dict, threads: int, payload: by
     child_env["NOTEBOOK_ACCEL_CTRL_FD"] = str(ctrl_c.fileno())
     # The child must import what cloudpickle stored by reference: give it our sys.path.
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.Popen(
+    popen = functools.partial(
+        subprocess.Popen,
         [sys.executable, "-c", SPAWN_CODE],
         stdin=subprocess.DEVNULL,
         stdout=out_c.fileno(),
@@ -144,6 +196,7 @@ def start_spawn(local_rank: int, rank: int, env: dict, threads: int, payload: by
         start_new_session=True,
         env=child_env,
     )
+    proc = _LastingThread.call(popen)
     for sock in children:
         sock.close()
     handle = RankProcess(local_rank, proc.pid, parents)

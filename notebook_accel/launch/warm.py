@@ -7,13 +7,16 @@ One server per launching process; it exits when that process goes away (its stdi
 
 from __future__ import annotations
 
+import itertools
 import os
+import select
 import selectors
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Optional
 
 from . import child
@@ -67,7 +70,7 @@ def serve() -> None:
                     os._exit(0)
                 pid = _fork_rank(request, fds, sock)
                 children.add(pid)
-                send_frame(sock, ("pid", request["local_rank"], pid))
+                send_frame(sock, ("pid", request["token"], request["local_rank"], pid))
         for pid in list(children):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
@@ -104,13 +107,22 @@ def _fork_rank(request: dict, fds: list, server_sock: socket.socket) -> int:
 
 
 # -- client side ------------------------------------------------------------------------------
+class ForkserverLost(RuntimeError):
+    """The forkserver exited while it had ranks (killed, or out of memory): they are gone with it."""
+
+
 class WarmServer:
-    """The parent's connection to its forkserver; `WarmServer.get()` starts it on first use."""
+    """The parent's connection to its forkserver; `WarmServer.get()` starts it on first use.
+
+    Any thread may launch through it: one start at a time (`_starting`), and one reader or writer
+    of the socket at a time (`_io`), so frames never interleave; whatever a thread reads is kept
+    for its owner (pids by request token, exit codes by pid).
+    """
 
     _instance: Optional["WarmServer"] = None
     _lock = threading.Lock()
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: Optional[float] = None) -> None:
         mine, theirs = socket.socketpair()
         env = dict(os.environ)
         env["NOTEBOOK_ACCEL_SERVER_FD"] = str(theirs.fileno())
@@ -126,17 +138,36 @@ class WarmServer:
         )
         theirs.close()
         self.sock = mine
-        self.exits: dict = {}
-        self.pids: dict = {}
-        kind, self.pid = recv_frame(self.sock)
-        if kind != "ready":
-            raise RuntimeError(f"notebook_accel forkserver failed to start: {kind!r}")
+        self.exits: dict = {}  # pid -> exit code, until its owner asks
+        self.pids: dict = {}  # (token, local_rank) -> pid, until its owner asks
+        self.lost = ""  # why the server is gone, once it is
+        self._io = threading.Lock()
+        self._starting = threading.Lock()
+        self._tokens = itertools.count(1)
+        try:
+            self.pid = self._ready(deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    def _ready(self, deadline: Optional[float]) -> int:
+        self._ready_pid = None
+        while self._ready_pid is None:
+            with self._io:
+                self._read_one(_left(deadline, 0.1))
+            if self.lost:
+                raise ForkserverLost(f"notebook_accel's forkserver failed to start: {self.lost}")
+            _check(deadline, "while the forkserver started")
+        return self._ready_pid
 
     @classmethod
-    def get(cls) -> "WarmServer":
+    def get(cls, deadline: Optional[float] = None) -> "WarmServer":
         with cls._lock:
-            if cls._instance is None or cls._instance.proc.poll() is not None:
-                cls._instance = cls()
+            old = cls._instance
+            if old is None or old.lost or old.proc.poll() is not None:
+                if old is not None:
+                    old.close()  # reaps it: a dead server is no zombie
+                cls._instance = cls(deadline)
             return cls._instance
 
     @classmethod
@@ -152,63 +183,123 @@ class WarmServer:
             self.proc.wait(timeout=5)
         except Exception:
             self.proc.kill()
+            self.proc.wait()
         self.sock.close()
 
-    def start_ranks(self, requests: list) -> list:
+    def start_ranks(self, requests: list, deadline: Optional[float] = None) -> list:
         """Start ranks from (local_rank, rank, env, threads, payload) tuples; all requests go out
-        before any reply is awaited, so the server forks them back to back."""
+        before any reply is awaited, so the server forks them back to back. Past `deadline`
+        (time.monotonic()) this raises LaunchTimeoutError."""
         from .procs import RankProcess, _channels
 
-        parents_by_rank = {}
-        for local_rank, rank, env, threads, payload in requests:
-            parents, children = _channels()
-            request = {
-                "local_rank": local_rank,
-                "rank": rank,
-                "env": env,
-                "threads": threads,
-                "payload": payload,
-            }
-            send_frame_with_fds(self.sock, request, [c.fileno() for c in children])
-            for sock in children:
-                sock.close()
-            parents_by_rank[local_rank] = parents
-        handles = []
-        for local_rank, parents in parents_by_rank.items():
-            pid = self._wait_for("pid", local_rank)
-            handles.append(RankProcess(local_rank, pid, parents, exit_status=self.exit_status))
-        return handles
-
-    def _wait_for(self, kind: str, key):
-        if kind == "pid" and key in self.pids:
-            return self.pids.pop(key)
-        while True:
-            message = recv_frame(self.sock)
-            if message[0] == "exit":
-                self.exits[message[1]] = message[2]
-            elif message[0] == kind and message[1] == key:
-                return message[2]
-            elif message[0] == "pid":
-                self.pids[message[1]] = message[2]
-
-    def pump(self) -> None:
-        """Read exit notices that have arrived (call when the socket is readable)."""
-        self.sock.setblocking(False)
+        wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._starting.acquire(timeout=wait):
+            _check(deadline, "waiting for another launch to start its ranks")
         try:
-            while True:
-                try:
-                    header = self.sock.recv(8, socket.MSG_PEEK)
-                except BlockingIOError:
-                    return
-                if not header:
-                    return
-                self.sock.setblocking(True)
-                message = recv_frame(self.sock)
-                self.sock.setblocking(False)
-                if message[0] == "exit":
-                    self.exits[message[1]] = message[2]
+            token = next(self._tokens)
+            parents_by_rank = {}
+            with self._io:
+                for local_rank, rank, env, threads, payload in requests:
+                    parents, children = _channels()
+                    request = {"token": token, "local_rank": local_rank, "rank": rank, "env": env}
+                    request.update(threads=threads, payload=payload)
+                    try:
+                        send_frame_with_fds(self.sock, request, [c.fileno() for c in children])
+                    except OSError as exc:
+                        self._lose(f"the connection broke ({exc})")
+                        raise ForkserverLost(self.lost) from None
+                    finally:
+                        for sock in children:
+                            sock.close()
+                    parents_by_rank[local_rank] = parents
+            handles = []
+            try:
+                for local_rank, parents in parents_by_rank.items():
+                    pid = self._wait_pid(token, local_rank, deadline)
+                    handles.append(RankProcess(local_rank, pid, parents, exit_status=self.exit_status))
+            except BaseException:
+                self._abandon(token, parents_by_rank, handles)
+                raise
+            return handles
         finally:
-            self.sock.setblocking(True)
+            self._starting.release()
+
+    def _abandon(self, token: int, parents_by_rank: dict, handles: list) -> None:
+        """A start that failed half way: kill the ranks already forked (those whose pid is still
+        on its way too), so none runs a function nobody watches."""
+        for h in handles:
+            h.send_signal(signal.SIGKILL)
+            h.close()
+        for local_rank, parents in list(parents_by_rank.items())[len(handles) :]:
+            try:
+                pid = self._wait_pid(token, local_rank, time.monotonic() + 2.0)
+                os.kill(pid, signal.SIGKILL)  # its process group may not exist yet
+            except (Exception, KeyboardInterrupt):
+                pass  # never forked, or the server is gone and took it along
+            for sock in parents:
+                sock.close()
+
+    def _wait_pid(self, token: int, local_rank: int, deadline: Optional[float]) -> int:
+        while True:
+            with self._io:
+                pid = self.pids.pop((token, local_rank), None)
+                if pid is not None:
+                    return pid
+                if self.lost:
+                    raise ForkserverLost(self.lost)
+                self._read_one(_left(deadline, 0.1))
+            _check(deadline, "while the forkserver started the ranks")
+
+    def pump(self) -> bool:
+        """Read what has arrived (exit codes, other threads' pids) without waiting; False once the
+        server is gone (its socket ended)."""
+        with self._io:
+            while not self.lost and self._read_one(0.0):
+                pass
+        return not self.lost
+
+    def _read_one(self, timeout: float) -> bool:
+        """One frame, if one arrives within `timeout` s; call with `_io` held."""
+        if self.lost or not select.select([self.sock], [], [], timeout)[0]:
+            return False
+        try:
+            message = recv_frame(self.sock)
+        except (EOFError, OSError):
+            self._lose()
+            return False
+        kind = message[0]
+        if kind == "exit":
+            self.exits[message[1]] = message[2]
+        elif kind == "pid":
+            self.pids[(message[1], message[2])] = message[3]
+        elif kind == "ready":
+            self._ready_pid = message[1]
+        return True
+
+    def _lose(self, how: str = "") -> None:
+        try:
+            code = self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is not None and code < 0:
+            try:
+                how = how or f"it exited ({signal.Signals(-code).name})"
+            except ValueError:
+                how = how or f"it exited (signal {-code})"
+        elif code is not None:
+            how = how or f"it exited (exit code {code})"
+        self.lost = f"the forkserver is gone: {how or 'its connection closed'}; its ranks are gone with it"
 
     def exit_status(self, pid: int) -> Optional[int]:
         return self.exits.pop(pid, None) if pid in self.exits else None
+
+
+def _left(deadline: Optional[float], most: float) -> float:
+    return most if deadline is None else max(0.0, min(most, deadline - time.monotonic()))
+
+
+def _check(deadline: Optional[float], what: str) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        from .errors import LaunchTimeoutError
+
+        raise LaunchTimeoutError(f"timed out {what}")

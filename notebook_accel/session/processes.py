@@ -42,7 +42,9 @@ def reap(workers: list, warm, seconds: float, lock=None) -> bool:
         if warm is not None:
             warm.pump()
         with lock if lock is not None else nullcontext():
-            left = [w for w in workers if not gone(w, warm) or (warm is not None and w.exitcode is None)]
+            # a forkserver rank's exit code comes later through the server, unless the server is gone
+            late = warm is not None and not warm.lost
+            left = [w for w in workers if not gone(w, warm) or (late and w.exitcode is None)]
         if not left:
             return True
         if time.monotonic() >= deadline:

@@ -20,9 +20,10 @@ class StartedRanks(NamedTuple):
     warm: Optional[object]  # the WarmServer that forked them (forkserver), else None
 
 
-def start(plan, payload) -> StartedRanks:
+def start(plan, payload, deadline: Optional[float] = None) -> StartedRanks:
     """Start every local rank of `plan` running `payload`. If one fails to start, the ranks
-    already started are killed and reaped before the error goes up: nothing is left behind."""
+    already started are killed and reaped before the error goes up: nothing is left behind.
+    `deadline` (time.monotonic()) bounds the wait for the forkserver (a launch's timeout)."""
     warm = None
     if plan.start_method == "fork":
         from ... import state  # noqa: F401  (imported once here rather than in every forked rank)
@@ -31,7 +32,7 @@ def start(plan, payload) -> StartedRanks:
     if plan.start_method == "forkserver":
         from ..warm import WarmServer
 
-        warm = WarmServer.get()
+        warm = WarmServer.get(deadline)
     handles, requests = [], []
     try:
         for local_rank in range(plan.num_processes):
@@ -44,7 +45,7 @@ def start(plan, payload) -> StartedRanks:
             else:
                 requests.append((*spec, payload.pickled()))
         if requests:
-            handles.extend(warm.start_ranks(requests))
+            handles.extend(warm.start_ranks(requests, deadline))
     except BaseException:
         kill(handles, warm)
         for h in handles:
@@ -59,7 +60,7 @@ def kill(handles: list, warm, seconds: float = 5.0) -> None:
         h.send_signal(signal.SIGKILL)
     deadline = time.monotonic() + seconds
     for h in handles:
-        while h.poll() is None and time.monotonic() < deadline:
+        while not h.exited() and time.monotonic() < deadline:
             if warm is not None:
                 warm.pump()
             time.sleep(0.01)
@@ -74,8 +75,8 @@ def run(plan, payload, sink, control) -> list:
     sink.handle(ev.LaunchStarted(plan.num_processes, plan.start_method, plan.world_size, plan.node_rank))
     ranks = None
     try:
-        ranks = start(plan, payload)
-        control.start()
+        control.start()  # the timeout covers starting the ranks too
+        ranks = start(plan, payload, control.deadline)
         results = Monitor(ranks.handles, plan, sink, warm=ranks.warm, control=control).run()
     except BaseException as exc:
         # KeyboardInterrupt, a failure while starting, or a rank failure: leave no process behind.

@@ -1,0 +1,135 @@
+"""Faults that used to hang a launch or kill ranks behind the user's back (issue #15, items 1-3),
+on real processes: the forkserver dying mid-launch, launches from several threads at once, and
+workers started from a thread that then ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from launch_targets import rank_of_this_process, sleep_and_return
+
+from notebook_accel.launch import (
+    LaunchFailedError,
+    LaunchTimeoutError,
+    ListSink,
+    RankStarted,
+    notebook_launcher,
+)
+from notebook_accel.launch.warm import WarmServer
+from notebook_accel.session import Session
+
+
+@pytest.fixture(autouse=True)
+def _fresh_server():
+    WarmServer.shutdown()
+    yield
+    WarmServer.shutdown()
+
+
+class _StartedRanks(ListSink):
+    def __init__(self, count: int):
+        super().__init__()
+        self.count = count
+        self.all_started = threading.Event()
+
+    def handle(self, event):
+        super().handle(event)
+        if sum(isinstance(e, RankStarted) for e in self.events) >= self.count:
+            self.all_started.set()
+
+
+@pytest.mark.timeout(120)
+def test_the_forkserver_dying_fails_the_launch_at_once_and_the_next_one_works(no_orphans):
+    sink = _StartedRanks(2)
+    outcome = {}
+
+    def launch():
+        try:
+            notebook_launcher(
+                sleep_and_return, (60,), num_processes=2, start_method="forkserver", sinks=[sink]
+            )
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    assert sink.all_started.wait(60), "the ranks did not start"
+    pids = [e.pid for e in sink.events if isinstance(e, RankStarted)]
+    server = WarmServer._instance
+    server.proc.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    thread.join(30)
+    assert not thread.is_alive(), "the launch hangs after its forkserver died"
+    assert time.monotonic() - killed_at < 15
+    error = outcome.get("error")
+    assert isinstance(error, LaunchFailedError), repr(error)
+    assert "forkserver" in str(error) and "SIGKILL" in str(error), str(error)
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    # a new server for the next launch
+    assert notebook_launcher(rank_of_this_process, num_processes=2, start_method="forkserver") == [0, 1]
+    assert WarmServer._instance is not server
+    no_orphans()
+
+
+@pytest.mark.timeout(180)
+def test_launches_from_three_threads_share_the_forkserver():
+    results, errors = {}, {}
+
+    def launch(i):
+        try:
+            results[i] = notebook_launcher(
+                rank_of_this_process, num_processes=2, start_method="forkserver", timeout=120
+            )
+        except BaseException as exc:
+            errors[i] = exc
+
+    threads = [threading.Thread(target=launch, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads), "a launch hangs"
+    assert errors == {}
+    assert results == {0: [0, 1], 1: [0, 1], 2: [0, 1]}
+
+
+@pytest.mark.timeout(60)
+def test_the_timeout_covers_waiting_to_start():
+    server = WarmServer.get()
+    server._starting.acquire()  # another launch's start that never ends
+    try:
+        began = time.monotonic()
+        with pytest.raises(LaunchTimeoutError):
+            notebook_launcher(rank_of_this_process, num_processes=2, start_method="forkserver", timeout=1.0)
+        assert time.monotonic() - began < 20
+    finally:
+        server._starting.release()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_workers_started_from_a_thread_outlive_that_thread(start_method):
+    session = Session(2, start_method=start_method, cpu=True)
+    thread = threading.Thread(target=session.start)
+    thread.start()
+    thread.join(90)
+    assert session.started
+    pids = dict(session.pids())
+    time.sleep(1.0)  # PR_SET_PDEATHSIG, had it fired on the thread's end, has killed them by now
+    try:
+        assert all(psutil.pid_exists(pid) for pid in pids.values())
+        replies = session.run_cell("import os\nos.getpid()")
+        assert {rank: r.ok for rank, r in replies.items()} == {0: True, 1: True}
+        assert {rank: int(r.result_repr) for rank, r in replies.items()} == pids
+    finally:
+        session.stop()
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        for pid in pids.values()
+    )

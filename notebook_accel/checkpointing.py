@@ -31,6 +31,7 @@ from .serialization import (  # noqa: F401  (save_model and friends are part of 
     load_plain,
     load_sharded_state_dict,
     save_model,
+    save_plain,
 )
 from .utils.checkpoint_files import find_checkpoint, fsync_dir, fsync_file, fsync_tree, sibling
 from .utils.random import capture_rng_states, restore_rng_states
@@ -213,11 +214,11 @@ def _write_shared(folder, model_states, optimizers, schedulers, scaler, custom_o
         _write_weights(*_dedupe(_state_of(state)), os.path.join(folder, name), safe)
     for stem, objects in ((OPTIMIZER_NAME, optimizers), (SCHEDULER_NAME, schedulers)):
         for i, obj in enumerate(objects):
-            torch.save(obj.state_dict(), os.path.join(folder, _indexed(stem, i, ".bin")))
+            save_plain(obj.state_dict(), os.path.join(folder, _indexed(stem, i, ".bin")))
     if scaler is not None:
-        torch.save(scaler.state_dict(), os.path.join(folder, SCALER_NAME))
+        save_plain(scaler.state_dict(), os.path.join(folder, SCALER_NAME))
     for i, obj in enumerate(custom_objects):
-        torch.save(obj.state_dict(), os.path.join(folder, f"{CUSTOM_NAME}_{i}.pkl"))
+        save_plain(obj.state_dict(), os.path.join(folder, f"{CUSTOM_NAME}_{i}.pkl"))
 
 
 def _write_own(folder: str, dataloaders: list, rank: int) -> list:
@@ -228,9 +229,9 @@ def _write_own(folder: str, dataloaders: list, rank: int) -> list:
             getattr(loader, "load_state_dict", None)
         ):
             written.append(os.path.join(folder, _loader_file(i, rank)))
-            torch.save(loader.state_dict(), written[-1])
+            save_plain(loader.state_dict(), written[-1])
     written.append(os.path.join(folder, f"{RNG_STATE_NAME}_{rank}.pkl"))
-    torch.save(capture_rng_states(), written[-1])
+    save_plain(capture_rng_states(), written[-1])
     return written
 
 

@@ -7,6 +7,7 @@ tie. Used by checkpoints (checkpointing.py) and by save_model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -16,6 +17,8 @@ import torch
 
 from .utils.checkpoint_files import fsync_dir, fsync_file
 from .utils.memory import parse_memory_size
+
+logger = logging.getLogger(__name__)
 
 MODEL_NAME = "model"
 WEIGHTS_NAME = "pytorch_model"
@@ -30,6 +33,20 @@ TRUST_HINT = (
     "Unpickling them runs whatever code the file names. Only if you trust who wrote this checkpoint, "
     "load it with load_state(..., trust_pickled_objects=True)."
 )
+
+
+def save_plain(obj, path: str) -> None:
+    """torch.save(obj, path), warning when the file will need full pickle (and so an opt-in) to load."""
+    torch.save(obj, path)
+    needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    if needed:
+        logger.warning(
+            "%s holds Python objects that are not plain data (%s); load_state will read it only with "
+            "trust_pickled_objects=True. Return tensors, numbers, strings and containers from state_dict() "
+            "to avoid that.",
+            path,
+            ", ".join(needed),
+        )
 
 
 def load_plain(path: str, map_location="cpu", trust_pickled_objects: bool = False):

@@ -129,12 +129,14 @@ def test_a_tampered_file_is_refused_and_runs_no_code(tmp_path, name, how):
     )
 
 
-def test_an_object_that_needs_pickle_loads_only_with_trust(tmp_path):
+def test_an_object_that_needs_pickle_loads_only_with_trust(tmp_path, caplog):
     folder = tmp_path / "ckpt"
     model, optimizer, scheduler = _pieces(0)
-    save_accelerator_state(
-        folder, [model.state_dict()], [], [], [], 0, 1, custom_objects=[Holder(fractions.Fraction(1, 3))]
-    )
+    with caplog.at_level(logging.WARNING):
+        save_accelerator_state(
+            folder, [model.state_dict()], [], [], [], 0, 1, custom_objects=[Holder(fractions.Fraction(1, 3))]
+        )
+    assert "custom_checkpoint_0.pkl" in caplog.text and "trust_pickled_objects=True" in caplog.text
     fresh, holder = torch.nn.Linear(4, 2), Holder("untouched")
 
     with pytest.raises(CheckpointError) as error:

@@ -19,15 +19,13 @@ from notebook_accel.checkpointing import (
     CheckpointError,
     list_checkpoints,
     load_accelerator_state,
-    load_sharded_state_dict,
     next_checkpoint_dir,
     save_accelerator_state,
-    save_model,
 )
+from notebook_accel.serialization import load_sharded_state_dict, save_model
 from notebook_accel.utils.dataclasses import ProjectConfiguration
 
-TIMEOUT = 60
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TIMEOUT = 60  # the conftest's autouse fixture already clears launcher variables for the children
 
 
 class Holder:
@@ -243,9 +241,8 @@ _KILLED_BETWEEN_RENAMES = textwrap.dedent(
 
 
 def _run_child(script, *args):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     return subprocess.run(
-        [sys.executable, "-c", script, *args], env=env, timeout=TIMEOUT, capture_output=True, text=True
+        [sys.executable, "-c", script, *args], timeout=TIMEOUT, capture_output=True, text=True
     )
 
 

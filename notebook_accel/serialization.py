@@ -82,8 +82,10 @@ def _reason(exc: BaseException) -> str:
     text = str(exc)
     if "WeightsUnpickler error:" in text:
         text = text.split("WeightsUnpickler error:", 1)[1]
-    sentences = re.split(r"(?<=\.)\s+", " ".join(text.split()))
-    kept = [s for s in sentences if "weights_only" not in s and "trusted source" not in s]
+    kept = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        sentences = re.split(r"(?<=\.)\s+", " ".join(paragraph.split()))
+        kept += [s for s in sentences if s and "weights_only" not in s and "trusted source" not in s]
     return (" ".join(kept[:2]) or type(exc).__name__)[:300]
 
 

@@ -6,6 +6,7 @@ import fractions
 import logging
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -179,6 +180,8 @@ def test_a_corrupt_file_is_named_and_called_corrupt(tmp_path, name, damage):
         _load(folder)
     message = str(error.value)
     assert f"{path} is corrupt" in message, message
+    cause = re.search(r"is corrupt or not a checkpoint file \((\w+): (.+)\)", message)
+    assert cause and cause.group(2) != cause.group(1), "torch's own cause is kept"
     assert "weights_only" not in message and "trusted source" not in message, message
 
 

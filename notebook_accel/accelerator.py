@@ -494,7 +494,11 @@ class Accelerator:
         from .checkpointing import load_state
 
         load_state(
-            self, input_dir, map_location=kwargs.get("map_location", "cpu"), strict=kwargs.get("strict", True)
+            self,
+            input_dir,
+            map_location=kwargs.get("map_location", "cpu"),
+            strict=kwargs.get("strict", True),
+            trust_pickled_objects=kwargs.get("trust_pickled_objects", False),
         )
 
     def save_model(

@@ -2,8 +2,11 @@
 
 A checkpoint folder uses accelerate's file names (model.safetensors, optimizer.bin, scheduler.bin,
 scaler.pt, custom_checkpoint_0.pkl, dl_state_dict.bin, random_states_0.pkl, ...), so people find
-pieces where they expect them. Saving is atomic: everything is written to a hidden sibling folder
-and swapped in with renames, so a crash at any moment leaves the previous checkpoint loadable.
+pieces where they expect them. Saving is atomic: everything is written to a hidden sibling folder,
+fsynced, and swapped in with renames, so a crash or power loss at any moment leaves the previous
+checkpoint loadable (at the hidden `.NAME.old` if it came between the renames: `find_checkpoint`).
+Every file is loaded as plain data (torch.load(weights_only=True)); registered objects that need
+full pickle load only with `trust_pickled_objects=True`.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from .serialization import (  # noqa: F401  (save_model and friends are part of 
     _state_of,
     _unwrap,
     _write_weights,
+    load_plain,
     load_sharded_state_dict,
     save_model,
+    save_plain,
 )
+from .utils.checkpoint_files import find_checkpoint, fsync_dir, fsync_file, fsync_tree, sibling
 from .utils.random import capture_rng_states, restore_rng_states
 
 logger = logging.getLogger(__name__)
@@ -53,11 +59,6 @@ def _loader_file(i: int, rank: int) -> str:
     return (
         _indexed(SAMPLER_NAME, i, ".bin") if rank == 0 else f"{_indexed(SAMPLER_NAME, i, '')}_rank{rank}.bin"
     )
-
-
-def _sibling(path: str, tag: str) -> str:
-    parent, name = os.path.split(path)
-    return os.path.join(parent, f".{name}.{tag}")
 
 
 def _indexed_files(folder: str, pattern: str) -> list:
@@ -121,7 +122,11 @@ def _recover(output_dir: str, staging: str, old: str) -> None:
         if os.path.isdir(output_dir):
             shutil.rmtree(old)  # the crash came after the new folder was in place
         else:
+            logger.warning(
+                "An earlier save to %s was interrupted; moving its previous checkpoint back.", output_dir
+            )
             os.rename(old, output_dir)  # the crash came between the two renames
+            fsync_dir(os.path.dirname(output_dir))
     if os.path.exists(staging):
         shutil.rmtree(staging)
 
@@ -154,7 +159,7 @@ def save_accelerator_state(
         else bool(is_main_process)
     )
     agree = _Agreement(num_processes, wait_for_everyone)
-    staging, old = _sibling(output_dir, "saving"), _sibling(output_dir, "old")
+    staging, old = sibling(output_dir, "saving"), sibling(output_dir, "old")
 
     error = None
     if writer:
@@ -176,7 +181,10 @@ def save_accelerator_state(
             _write_shared(
                 staging, model_states, optimizers, schedulers, scaler, custom_objects, safe_serialization
             )
-        _write_own(staging, dataloaders, process_index)
+        for path in _write_own(staging, dataloaders, process_index):
+            fsync_file(path)  # from the rank that wrote it: another node's writer cannot
+        if writer:
+            fsync_tree(staging)  # contents and names on disk before a rename can point at them
         error = None
     except Exception as exc:
         error = exc
@@ -192,6 +200,7 @@ def save_accelerator_state(
             if os.path.exists(output_dir):
                 os.rename(output_dir, old)
             os.rename(staging, output_dir)
+            fsync_dir(os.path.dirname(output_dir))  # the renames survive a power loss
             shutil.rmtree(old, ignore_errors=True)
         except Exception as exc:
             error = exc
@@ -205,32 +214,28 @@ def _write_shared(folder, model_states, optimizers, schedulers, scaler, custom_o
         _write_weights(*_dedupe(_state_of(state)), os.path.join(folder, name), safe)
     for stem, objects in ((OPTIMIZER_NAME, optimizers), (SCHEDULER_NAME, schedulers)):
         for i, obj in enumerate(objects):
-            torch.save(obj.state_dict(), os.path.join(folder, _indexed(stem, i, ".bin")))
+            save_plain(obj.state_dict(), os.path.join(folder, _indexed(stem, i, ".bin")))
     if scaler is not None:
-        torch.save(scaler.state_dict(), os.path.join(folder, SCALER_NAME))
+        save_plain(scaler.state_dict(), os.path.join(folder, SCALER_NAME))
     for i, obj in enumerate(custom_objects):
-        torch.save(obj.state_dict(), os.path.join(folder, f"{CUSTOM_NAME}_{i}.pkl"))
+        save_plain(obj.state_dict(), os.path.join(folder, f"{CUSTOM_NAME}_{i}.pkl"))
 
 
-def _write_own(folder: str, dataloaders: list, rank: int) -> None:
+def _write_own(folder: str, dataloaders: list, rank: int) -> list:
+    """Write this rank's loader positions and RNG states; returns the paths written."""
+    written = []
     for i, loader in enumerate(dataloaders):
         if callable(getattr(loader, "state_dict", None)) and callable(
             getattr(loader, "load_state_dict", None)
         ):
-            torch.save(loader.state_dict(), os.path.join(folder, _loader_file(i, rank)))
-    torch.save(capture_rng_states(), os.path.join(folder, f"{RNG_STATE_NAME}_{rank}.pkl"))
+            written.append(os.path.join(folder, _loader_file(i, rank)))
+            save_plain(loader.state_dict(), written[-1])
+    written.append(os.path.join(folder, f"{RNG_STATE_NAME}_{rank}.pkl"))
+    save_plain(capture_rng_states(), written[-1])
+    return written
 
 
 # -- loading --------------------------------------------------------------------------------------
-
-
-def _resolve_input_dir(input_dir: str) -> str:
-    input_dir = os.path.abspath(input_dir)
-    old = _sibling(input_dir, "old")
-    if not os.path.isdir(input_dir) and os.path.isdir(old):
-        # A save crashed between its two renames: the previous checkpoint sits aside, complete.
-        return old
-    return input_dir
 
 
 def load_accelerator_state(
@@ -245,27 +250,30 @@ def load_accelerator_state(
     map_location="cpu",
     strict: bool = True,
     load_model_func: Optional[Callable[[Any, dict, bool], Any]] = None,
+    trust_pickled_objects: bool = False,
 ) -> dict:
     """Restore what `save_accelerator_state` wrote, RNG states included; returns a summary.
 
     Every file is read and checked before anything is changed. Missing pieces, and with strict also
     extra pieces and model key mismatches, raise one CheckpointError naming each problem and the
     folder. `load_model_func(model, state_dict, strict)` replaces `model.load_state_dict` when given.
+    Every file is read as plain data; one that needs full pickle (a registered object's own classes,
+    say) is refused unless `trust_pickled_objects`, since unpickling runs the code a file names.
     """
-    folder = _resolve_input_dir(input_dir)
-    if not os.path.isdir(folder):
+    folder = find_checkpoint(input_dir)
+    if folder is None:
         raise CheckpointError(f"No checkpoint folder at {os.path.abspath(input_dir)!r}.")
     problems, plan = [], []
 
-    def read(name: str, what: str, trusted: bool):
+    def read(name: str, what: str):
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             problems.append(f"{what}: {name} is missing")
             return None
-        try:  # scheduler, loader and custom states may hold any Python object by design
-            return torch.load(path, map_location=map_location, weights_only=trusted)
-        except Exception as exc:
-            problems.append(f"{what}: {name} cannot be read ({type(exc).__name__}: {exc})")
+        try:
+            return load_plain(path, map_location, trust_pickled_objects)
+        except CheckpointError as exc:
+            problems.append(f"{what}: {exc}")
             return None
 
     def check_count(pattern: str, given: int, what: str) -> None:
@@ -283,29 +291,27 @@ def load_accelerator_state(
             continue
         try:
             state = _read_weights(path, map_location)
-        except Exception as exc:
-            problems.append(
-                f"model {i}: {os.path.basename(path)} cannot be read ({type(exc).__name__}: {exc})"
-            )
+        except CheckpointError as exc:
+            problems.append(f"model {i}: {exc}")
             continue
         if load_model_func is None:
             _check_model_keys(_unwrap(model), state, i, strict, problems)
         plan.append(("model", model, state))
 
     # Optimizers, schedulers, scaler, custom objects.
-    for stem, objects, trusted in ((OPTIMIZER_NAME, optimizers, True), (SCHEDULER_NAME, schedulers, False)):
+    for stem, objects in ((OPTIMIZER_NAME, optimizers), (SCHEDULER_NAME, schedulers)):
         check_count(rf"{stem}(?:_(\d+))?\.bin", len(objects), f"{stem}s")
         for i, obj in enumerate(objects):
-            plan.append((f"{stem} {i}", obj, read(_indexed(stem, i, ".bin"), f"{stem} {i}", trusted)))
+            plan.append((f"{stem} {i}", obj, read(_indexed(stem, i, ".bin"), f"{stem} {i}")))
     if scaler is not None:
-        plan.append(("scaler", scaler, read(SCALER_NAME, "GradScaler", True)))
+        plan.append(("scaler", scaler, read(SCALER_NAME, "GradScaler")))
     elif strict and os.path.isfile(os.path.join(folder, SCALER_NAME)):
         problems.append(
             f"the checkpoint has {SCALER_NAME} but no GradScaler was given (mixed_precision='fp16' when saved?)"
         )
     check_count(rf"{CUSTOM_NAME}_(\d+)\.pkl", len(custom_objects), "custom objects")
     for i, obj in enumerate(custom_objects):
-        plan.append((f"custom object {i}", obj, read(f"{CUSTOM_NAME}_{i}.pkl", f"custom object {i}", False)))
+        plan.append((f"custom object {i}", obj, read(f"{CUSTOM_NAME}_{i}.pkl", f"custom object {i}")))
 
     # Loaders and RNG states of this rank.
     stateful = [i for i, dl in enumerate(dataloaders) if callable(getattr(dl, "load_state_dict", None))]
@@ -319,8 +325,8 @@ def load_accelerator_state(
         )
     for i in stateful:
         what = f"data loader {i} (rank {process_index})"
-        plan.append((what, dataloaders[i], read(_loader_file(i, process_index), what, False)))
-    rng = read(f"{RNG_STATE_NAME}_{process_index}.pkl", f"random states of rank {process_index}", True)
+        plan.append((what, dataloaders[i], read(_loader_file(i, process_index), what)))
+    rng = read(f"{RNG_STATE_NAME}_{process_index}.pkl", f"random states of rank {process_index}")
 
     if problems:
         raise CheckpointError(_report(folder, "cannot be loaded", problems))
@@ -418,13 +424,13 @@ def next_checkpoint_dir(project_config) -> str:
             "or turn automatic naming on."
         )
     path = os.path.join(_checkpoints_root(project_config), f"checkpoint_{project_config.iteration}")
-    if os.path.exists(path):
+    if os.path.exists(path) or find_checkpoint(path) is not None:
         raise FileExistsError(
             f"{path} already exists: a fresh run would overwrite it. Resume with load_state (which moves the "
             "iteration on), or set project_config.iteration to the next free number."
         )
     saved = list_checkpoints(project_config)
-    latest = int(re.fullmatch(r"checkpoint_(\d+)", os.path.basename(saved[-1])).group(1)) if saved else -1
+    latest = _number(saved[-1]) if saved else -1
     if latest > project_config.iteration:
         # It would sort before the existing ones, and total_limit rotation would delete it at once.
         raise FileExistsError(
@@ -434,17 +440,28 @@ def next_checkpoint_dir(project_config) -> str:
     return path
 
 
+def _number(path: str) -> Optional[int]:
+    """N of an automatic checkpoint folder (checkpoint_N, or .checkpoint_N.old set aside by a killed save)."""
+    match = re.fullmatch(r"\.?checkpoint_(\d+)(?:\.old)?", os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
 def list_checkpoints(project_config) -> list:
-    """The automatic checkpoint folders, oldest first (checkpoint_10 after checkpoint_9)."""
+    """The automatic checkpoint folders, oldest first (checkpoint_10 after checkpoint_9).
+
+    A checkpoint whose folder a killed save left set aside is listed at its `.checkpoint_N.old`.
+    """
     root = _checkpoints_root(project_config)
     if not os.path.isdir(root):
         return []
-    numbered = []
+    numbered = {}
     for name in os.listdir(root):
-        match = re.fullmatch(r"checkpoint_(\d+)", name)
-        if match and os.path.isdir(os.path.join(root, name)):
-            numbered.append((int(match.group(1)), os.path.join(root, name)))
-    return [path for _, path in sorted(numbered)]
+        match = re.fullmatch(r"\.?checkpoint_(\d+)(\.old)?", name)
+        if match and (name[0] == ".") == bool(match.group(2)):
+            path = find_checkpoint(os.path.join(root, name.lstrip(".").removesuffix(".old")))
+            if path is not None:
+                numbered[int(match.group(1))] = path
+    return [numbered[n] for n in sorted(numbered)]
 
 
 def rotate_checkpoints(project_config) -> list:
@@ -458,7 +475,7 @@ def rotate_checkpoints(project_config) -> list:
     doomed = list_checkpoints(project_config)[:-limit]
     for path in doomed:
         # Renamed first so a crash mid-delete never leaves a half-deleted folder that looks real.
-        trash = _sibling(path, "deleting")
+        trash = sibling(path, "deleting")
         os.rename(path, trash)
         shutil.rmtree(trash)
     return doomed
@@ -502,8 +519,18 @@ def save_state(accelerator, output_dir: Optional[str] = None, safe_serialization
     return path
 
 
-def load_state(accelerator, input_dir: Optional[str] = None, map_location="cpu", strict: bool = True) -> None:
-    """Accelerator.load_state: the given folder, or the latest automatic checkpoint."""
+def load_state(
+    accelerator,
+    input_dir: Optional[str] = None,
+    map_location="cpu",
+    strict: bool = True,
+    trust_pickled_objects: bool = False,
+) -> None:
+    """Accelerator.load_state: the given folder, or the latest automatic checkpoint.
+
+    trust_pickled_objects=True lets files that need full pickle (registered objects of your own
+    classes) load that way; unpickling runs code, so pass it only for checkpoints you trust.
+    """
     config = accelerator.project_configuration
     if input_dir is None:
         if not config.automatic_checkpoint_naming:
@@ -526,7 +553,8 @@ def load_state(accelerator, input_dir: Optional[str] = None, map_location="cpu",
         custom_objects=acc._custom_objects,
         map_location=map_location,
         strict=strict,
+        trust_pickled_objects=trust_pickled_objects,
     )
-    number = re.fullmatch(r"checkpoint_(\d+)", os.path.basename(os.path.normpath(input_dir)))
-    if config.automatic_checkpoint_naming and number:
-        config.iteration = int(number.group(1)) + 1  # the next save must not overwrite this one
+    number = _number(input_dir)
+    if config.automatic_checkpoint_naming and number is not None:
+        config.iteration = number + 1  # the next save must not overwrite this one

@@ -7,12 +7,18 @@ tie. Used by checkpoints (checkpointing.py) and by save_model.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 import re
+import uuid
 
 import torch
 
+from .utils.checkpoint_files import fsync_dir, fsync_file
 from .utils.memory import parse_memory_size
+
+logger = logging.getLogger(__name__)
 
 MODEL_NAME = "model"
 WEIGHTS_NAME = "pytorch_model"
@@ -21,6 +27,66 @@ _ALIASES_KEY = "notebook_accel.aliases"  # safetensors metadata: {alias: stored 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message names every problem and the folder."""
+
+
+TRUST_HINT = (
+    "Unpickling them runs whatever code the file names. Only if you trust who wrote this checkpoint, "
+    "load it with load_state(..., trust_pickled_objects=True)."
+)
+
+
+def save_plain(obj, path: str) -> None:
+    """torch.save(obj, path), warning when the file will need full pickle (and so an opt-in) to load."""
+    torch.save(obj, path)
+    needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    if needed:
+        logger.warning(
+            "%s holds Python objects that are not plain data (%s); load_state will read it only with "
+            "trust_pickled_objects=True. Return tensors, numbers, strings and containers from state_dict() "
+            "to avoid that.",
+            path,
+            ", ".join(needed),
+        )
+
+
+def load_plain(path: str, map_location="cpu", trust_pickled_objects: bool = False):
+    """torch.load(path) of plain data (tensors, numbers, strings, containers) with weights_only=True.
+
+    A file that needs other Python objects is refused, naming them, unless the caller trusts the
+    checkpoint; a damaged file is reported as corrupt. Both raise CheckpointError naming `path`.
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        needed = sorted(set(re.findall(r"GLOBAL ([\w.]+)", str(exc))))
+        if trust_pickled_objects:
+            try:
+                return torch.load(path, map_location=map_location, weights_only=False)
+            except Exception as full:
+                raise CheckpointError(_corrupt(path, full)) from None
+        if needed:
+            raise CheckpointError(
+                f"{path} holds Python objects that plain-data loading refuses ({', '.join(needed)}). {TRUST_HINT}"
+            ) from None
+        raise CheckpointError(_corrupt(path, exc)) from None
+    except Exception as exc:
+        raise CheckpointError(_corrupt(path, exc)) from None
+
+
+def _corrupt(path: str, exc: BaseException) -> str:
+    return f"{path} is corrupt or not a checkpoint file ({type(exc).__name__}: {_reason(exc)})"
+
+
+def _reason(exc: BaseException) -> str:
+    """torch's own cause, without its advice to re-run with weights_only=False (that runs the file)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    kept = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        sentences = re.split(r"(?<=\.)\s+", " ".join(paragraph.split()))
+        kept += [s for s in sentences if s and "weights_only" not in s and "trusted source" not in s]
+    return (" ".join(kept[:2]) or type(exc).__name__)[:300]
 
 
 def _unwrap(model):
@@ -88,6 +154,7 @@ def _write_weights(tensors: dict, aliases: dict, path: str, safe: bool) -> None:
     else:
         # pickle keeps object identity, so aliases stay tied without metadata.
         torch.save({**tensors, **{a: tensors[s] for a, s in aliases.items()}}, temp)
+    fsync_file(temp)  # the data is on disk before any name points at it
     os.replace(temp, path)
 
 
@@ -97,19 +164,22 @@ def _read_weights(path: str, device="cpu") -> dict:
 
         # safetensors takes a device only (torch.load's dict or callable map_location means "cpu" here).
         device = str(device) if isinstance(device, (str, torch.device)) else "cpu"
-        with safe_open(path, framework="pt", device=device) as f:
-            state = {name: f.get_tensor(name) for name in f.keys()}
-            aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
+        try:
+            with safe_open(path, framework="pt", device=device) as f:
+                state = {name: f.get_tensor(name) for name in f.keys()}
+                aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
+        except Exception as exc:
+            raise CheckpointError(_corrupt(path, exc)) from None
         for alias, stored in aliases.items():
             state[alias] = state[stored]
         return state
-    return torch.load(path, map_location=device, weights_only=True)
+    return load_plain(path, map_location=device)
 
 
 # -- save_model / load_sharded_state_dict ---------------------------------------------------------
 
 _WEIGHT_FILE = re.compile(
-    r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?(\.tmp)?$"
+    r"^(model|pytorch_model)((-[0-9a-f]{8})?-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?(\.tmp)?$"
 )
 
 
@@ -150,10 +220,8 @@ def save_model(
         sizes[-1] += tensor.nbytes
     stem, ext = (MODEL_NAME, ".safetensors") if safe_serialization else (WEIGHTS_NAME, ".bin")
     count = len(shards)
-    names = (
-        [f"{stem}{ext}"] if count == 1 else [f"{stem}-{i + 1:05d}-of-{count:05d}{ext}" for i in range(count)]
-    )
     os.makedirs(save_directory, exist_ok=True)
+    names = _fresh_shard_names(save_directory, stem, ext, count)
     weight_map = {}
     for file, shard in zip(names, shards):
         members = set(shard)
@@ -174,12 +242,29 @@ def save_model(
         temp = os.path.join(save_directory, index_name + ".tmp")
         with open(temp, "w") as f:
             json.dump(index, f, indent=2)
+        fsync_file(temp)
+        fsync_dir(save_directory)  # every shard's name is durable before the index points at it
         os.replace(temp, os.path.join(save_directory, index_name))
         written.append(index_name)
     for name in os.listdir(save_directory):
         if _WEIGHT_FILE.match(name) and name not in written:
             os.remove(os.path.join(save_directory, name))
+    fsync_dir(save_directory)
     return [os.path.join(save_directory, n) for n in written]
+
+
+def _fresh_shard_names(folder: str, stem: str, ext: str, count: int) -> list:
+    """Shard names no file in `folder` has yet, so the previous save's shards stay whole until the
+    new index replaces the old one: a crash in between leaves the old index over the old shards.
+    The usual names when they are free, else the same with a tag of this save."""
+    if count == 1:
+        return [f"{stem}{ext}"]  # one file, replaced atomically; an older index still wins until removed
+    tag = ""
+    while True:
+        names = [f"{stem}{tag}-{i + 1:05d}-of-{count:05d}{ext}" for i in range(count)]
+        if not any(os.path.exists(os.path.join(folder, n)) for n in names):
+            return names
+        tag = f"-{uuid.uuid4().hex[:8]}"
 
 
 def load_sharded_state_dict(folder: str, device="cpu") -> dict:

@@ -47,6 +47,7 @@ _EXPORTS = {
         )
     },
     # random
+    "find_checkpoint": "checkpoint_files",
     "set_seed": "random",
     "synchronize_rng_states": "random",
     "synchronize_rng_state": "random",

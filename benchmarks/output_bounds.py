@@ -3,7 +3,8 @@
 Each rank writes `--mb` MB to stdout without a newline (lines.py cuts such a stream into 256 KiB
 lines). The panel (autoflush off) is drawn every 0.1 s from a thread, as its flusher would; every
 widget value it sets is counted (one comm message each in a kernel). The comm sink sends to a fake
-comm that counts the JSON bytes of every message. "held" is the text the two models keep at the end.
+comm that counts the JSON bytes of every message; the console sink (what a kernel with widgets off
+sends as stream messages) writes to a stream that counts characters. "held" is the text the two models keep at the end.
 
     python benchmarks/output_bounds.py [--ranks 4] [--mb 50]
 """
@@ -11,6 +12,8 @@ comm that counts the JSON bytes of every message. "held" is the text the two mod
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import resource
 import sys
@@ -20,6 +23,7 @@ import time
 from notebook_accel import notebook_launcher
 from notebook_accel.jupyter import comm
 from notebook_accel.jupyter.panel import LaunchPanel
+from notebook_accel.launch.sinks import ConsoleSink
 
 
 def flood(mb: int) -> int:
@@ -36,6 +40,15 @@ class FakeComm:
     def send(self, message: dict) -> None:
         self.messages += 1
         self.bytes += len(json.dumps(message))
+
+
+class Counting(io.TextIOBase):
+    def __init__(self):
+        self.chars = 0
+
+    def write(self, text: str) -> int:
+        self.chars += len(text)
+        return len(text)
 
 
 def held(model) -> int:
@@ -78,9 +91,16 @@ def main() -> None:
     drawer.start()
     sink = comm.CommSink()
     started = time.perf_counter()
-    notebook_launcher(
-        flood, args=(args.mb,), num_processes=args.ranks, use_port="auto", cpu=True, sinks=[panel, sink]
-    )
+    console = Counting()
+    with contextlib.redirect_stdout(console):
+        notebook_launcher(
+            flood,
+            args=(args.mb,),
+            num_processes=args.ranks,
+            use_port="auto",
+            cpu=True,
+            sinks=[panel, sink, ConsoleSink()],
+        )
     stop.set()
     drawer.join()
     panel.flush()
@@ -95,6 +115,7 @@ def main() -> None:
     )
     print(f"| text held by the model at the end | {held(panel.model):,} | {held(sink.model):,} |")
     print(f"| size of the views' HTML at the end | {views:,} | - |")
+    print(f"console sink wrote {console.chars:,} characters")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(f"peak RSS of this process: {peak / 1024:,.0f} MiB")
 

@@ -33,11 +33,14 @@ class Log:
         self.bytes = 0  # characters, really: bytes for ASCII, and cheap to count
 
     def add(self, item) -> None:
-        self.items.append(item)
+        items = self.items
+        if len(items) >= self.max_lines:
+            self.bytes -= len(items.popleft()[-1])
+        items.append(item)
         self.added += 1
         self.bytes += len(item[-1])
-        while len(self.items) > self.max_lines or (self.bytes > self.max_bytes and len(self.items) > 1):
-            self.bytes -= len(self.items.popleft()[-1])
+        while self.bytes > self.max_bytes and len(items) > 1:
+            self.bytes -= len(items.popleft()[-1])
 
     @property
     def dropped(self) -> int:
@@ -99,7 +102,8 @@ def failure_detail(event: ev.RankFailed) -> str:
 
 class LaunchModel:
     """The launch's state ("pending", "running", "done", "failed", "stopped"), its ranks, the log of
-    all ranks and of each, and its failures. Read its fields under `lock`."""
+    all ranks and of each (`max_lines` and `view_bytes` each, lines cut to SHOWN_LINE), and its
+    failures. Read its fields under `lock`."""
 
     def __init__(self, max_lines: int = 1000, view_bytes: int = VIEW_BYTES):
         self.max_lines, self.view_bytes = int(max_lines), int(view_bytes)
@@ -146,7 +150,7 @@ class LaunchModel:
 
     def _output(self, e: ev.RankOutput) -> None:
         r = self.ranks.get(e.rank) or self.rank(e.rank)
-        text = cut(e.text, SHOWN_LINE)
+        text = e.text if len(e.text) <= SHOWN_LINE else cut(e.text, SHOWN_LINE)
         if e.transient:
             if text.strip():
                 r.current[e.stream] = text

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
+import os
 import resource
 import sys
 import threading
@@ -25,21 +25,8 @@ from notebook_accel.jupyter import comm
 from notebook_accel.jupyter.panel import LaunchPanel
 from notebook_accel.launch.sinks import ConsoleSink
 
-
-def flood(mb: int) -> int:
-    sys.stdout.write("x" * (mb << 20))
-    sys.stdout.flush()
-    return 0
-
-
-class FakeComm:
-    def __init__(self):
-        self.messages = 0
-        self.bytes = 0
-
-    def send(self, message: dict) -> None:
-        self.messages += 1
-        self.bytes += len(json.dumps(message))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from panel_targets import FakeComm, flood  # noqa: E402  (the test's rank function and fake comm)
 
 
 class Counting(io.TextIOBase):
@@ -110,8 +97,8 @@ def main() -> None:
     print("| | panel | comm sink |")
     print("|---|---|---|")
     print(
-        f"| bytes sent to the front end | {sent['bytes']:,} ({sent['values']} values) | {fake.bytes:,} "
-        f"({fake.messages} messages) |"
+        f"| bytes sent to the front end | {sent['bytes']:,} ({sent['values']} values) | {sum(map(len, fake.messages)):,} "
+        f"({len(fake.messages)} messages) |"
     )
     print(f"| text held by the model at the end | {held(panel.model):,} | {held(sink.model):,} |")
     print(f"| size of the views' HTML at the end | {views:,} | - |")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import io
 import json
 import re
-import sys
 import time
 from contextlib import redirect_stdout
 
 import pytest
+from panel_targets import FakeComm, flood
 
 from notebook_accel.jupyter import comm
 from notebook_accel.jupyter.launch_model import SHOWN_LINE, VIEW_BYTES
@@ -20,20 +20,6 @@ from notebook_accel.launch.sinks import CONSOLE_LINE, ConsoleSink
 
 MB = 20  # per rank, with no newline: lines.py cuts it into 80 lines of 256 KiB
 CUT = re.compile(r" … ([\d,]+) bytes cut$")
-
-
-def flood(mb: int) -> int:
-    sys.stdout.write("x" * (mb << 20))
-    sys.stdout.flush()
-    return 0
-
-
-class FakeComm:
-    def __init__(self):
-        self.messages: list = []
-
-    def send(self, message: dict) -> None:
-        self.messages.append(json.dumps(message))
 
 
 @pytest.fixture

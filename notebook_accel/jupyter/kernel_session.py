@@ -62,7 +62,7 @@ class OutputQueue:
             lines, dropped = list(self.lines), self.dropped
             self.lines, self.bytes, self.dropped = deque(), 0, {}
         notes = [
-            (rank, "stderr", _dropped_note(n, running), False)
+            (rank, "stdout", _dropped_note(n, running), False)
             for (rank, running), n in sorted(dropped.items())
         ]
         return notes + lines

@@ -22,3 +22,22 @@ def tqdm_loop(steps: int) -> int:
     for _ in tqdm(range(steps), desc="train", mininterval=0, miniters=1):
         pass
     return steps
+
+
+def flood(mb: int) -> int:
+    """`mb` MB on stdout with no newline (lines.py cuts it into 256 KiB lines)."""
+    sys.stdout.write("x" * (mb << 20))
+    sys.stdout.flush()
+    return 0
+
+
+class FakeComm:
+    """Stands for a JupyterLab page's comm (in comm._comms): keeps each message as the JSON sent."""
+
+    def __init__(self):
+        self.messages: list = []
+
+    def send(self, message: dict) -> None:
+        import json
+
+        self.messages.append(json.dumps(message))

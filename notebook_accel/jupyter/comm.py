@@ -285,7 +285,8 @@ class CommSink(Sink):
 
     Output is folded into a LaunchModel (the panel's) and sent as batches per rank, at most `rate`
     times a second: the whole lines added since the last batch, newest `max_lines` kept (the batch
-    says how many it dropped), then a redraw in progress (a progress bar) as one transient line.
+    says how many it dropped), then a redraw in progress (a progress bar) as one transient line;
+    every line cut as the model cuts it (launch_model.SHOWN_LINE), so a batch stays small.
     """
 
     def __init__(self, rate: float = 10.0, max_lines: int = 20):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import queue
+import threading
+from collections import deque
 from typing import Optional
 
 from ..launch import frontend
@@ -20,6 +21,11 @@ from ..session.cell_events import CellEvents
 from . import cell_jobs
 
 PANEL_AFTER_S = 0.5  # a silent session cell shows its launch panel (with Stop) after this long
+# Workers' lines wait in OutputQueue until a cell shows them; between cells nobody does. A panel
+# view keeps 1000 lines, so 10k lines or 8 MiB (32 of lines.py's longest lines) lose nothing it
+# would show, while a worker printing in a background thread cannot grow the kernel without end.
+QUEUE_LINES = 10_000
+QUEUE_BYTES = 8 << 20
 _current: Optional["KernelSession"] = None
 _auto = False
 _ids = itertools.count(1)
@@ -27,6 +33,44 @@ _ids = itertools.count(1)
 
 def current() -> Optional["KernelSession"]:
     return _current
+
+
+class OutputQueue:
+    """Workers' lines from the reader thread to the main thread, the newest `max_lines` lines and
+    `max_bytes` of text; lines dropped beyond that are counted per rank and reported by `take()`."""
+
+    def __init__(self, max_lines: int = QUEUE_LINES, max_bytes: int = QUEUE_BYTES):
+        self.max_lines, self.max_bytes = max_lines, max_bytes
+        self.lines: deque = deque()
+        self.bytes = 0
+        self.dropped: dict = {}  # (rank, a cell was running) -> lines dropped
+        self._lock = threading.Lock()
+
+    def put(self, line: tuple, cell_running: bool) -> None:
+        with self._lock:
+            self.lines.append(line)
+            self.bytes += len(line[2])
+            while len(self.lines) > self.max_lines or self.bytes > self.max_bytes:
+                old = self.lines.popleft()
+                self.bytes -= len(old[2])
+                key = (old[0], cell_running)
+                self.dropped[key] = self.dropped.get(key, 0) + 1
+
+    def take(self) -> list:
+        """Every queued line (rank, stream, text, transient), after a note per rank that lost lines."""
+        with self._lock:
+            lines, dropped = list(self.lines), self.dropped
+            self.lines, self.bytes, self.dropped = deque(), 0, {}
+        notes = [
+            (rank, "stdout", _dropped_note(n, running), False)
+            for (rank, running), n in sorted(dropped.items())
+        ]
+        return notes + lines
+
+
+def _dropped_note(n: int, cell_running: bool) -> str:
+    when = "faster than the cell could show them" if cell_running else "while no cell was running"
+    return f"… {n:,} {'line' if n == 1 else 'lines'} dropped {when}"
 
 
 class _Stop:
@@ -67,7 +111,7 @@ class KernelSession:
     def __init__(self, shell, num_processes: int, start_method: str, mixed_precision, cpu):
         self.id = next(_ids)
         self.shell = shell
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.queue = OutputQueue()
         self.session = _Session(num_processes, start_method, mixed_precision, cpu, on_output=self._on_output)
         self.session.owner = self
         self.session.tick = self._pump
@@ -78,19 +122,15 @@ class KernelSession:
         return len(self.session.pids()) or (self.session.num_processes or 0)
 
     def _on_output(self, rank: int, stream: str, text: str, transient: bool) -> None:
-        self.queue.put((rank, stream, text, transient))  # the reader thread: no I/O here
+        self.queue.put((rank, stream, text, transient), self.cell is not None)  # the reader thread: no I/O
 
     def _pump(self) -> None:
         cell = self.cell
-        while True:
-            try:
-                line = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if cell is not None:
-                cell.output(*line)
-        if cell is not None:
-            cell.sink.poll()  # a quiet cell's panel appears once the cell has run a while
+        if cell is None:
+            return  # between cells (status, push, pull): the lines wait for the next cell
+        for line in self.queue.take():
+            cell.output(*line)
+        cell.sink.poll()  # a quiet cell's panel appears once the cell has run a while
 
     # -- a cell on the workers ------------------------------------------------------------------
     def run_cell(self, source: str, ranks=None, timeout: Optional[float] = None, out: tuple = ()) -> None:
@@ -100,12 +140,12 @@ class KernelSession:
         number = cell_jobs.cell_number(self.shell)
         filename = self.shell.compile.cache(source, number)
         label = f"Cell In[{number}]"
-        self._pump()  # output that arrived between cells belongs to no cell: show it here
         # A panel only for cells that print, fail or take a while: a quick silent one draws nothing.
         sink = Fanout(frontend.default_sinks(show_after=PANEL_AFTER_S))
         stop = _Stop(self.session, targets)
         sink.attach(stop)
         cell = self.cell = CellEvents(sink, targets, world, pids)
+        self._pump()  # output that arrived between cells belongs to no cell: show it here
         try:
             replies = self.session.run_cell(source, filename, ranks=targets, timeout=timeout)
         except KeyboardInterrupt:

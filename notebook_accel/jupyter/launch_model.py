@@ -10,20 +10,37 @@ from collections import deque
 from typing import Optional
 
 from ..launch import events as ev
+from ..launch.lines import cut
+
+# A line, whole or transient, is kept and shown cut to this: a data dump (lines.py passes up to
+# 256 KiB of a stream with no newline) is not read in a log, and a view resends its text per draw.
+SHOWN_LINE = 4 << 10
+# Each view (a rank's log, all ranks' log) keeps at most this much text, dropping its oldest lines:
+# 1000 lines of normal output fit, 64 cut lines do, and a redraw of a view stays this small.
+VIEW_BYTES = 256 << 10
 
 
 class Log:
-    """The newest `max_lines` items of a view, and how many were ever added (its version)."""
+    """The newest items of a view, at most `max_lines` of them and `max_bytes` of text (the last
+    element of an item; the newest item is always kept), and how many were ever added (its version)."""
 
-    __slots__ = ("items", "added")
+    __slots__ = ("items", "added", "max_lines", "max_bytes", "bytes")
 
-    def __init__(self, max_lines: int):
-        self.items: deque = deque(maxlen=max_lines)
+    def __init__(self, max_lines: int, max_bytes: int = VIEW_BYTES):
+        self.items: deque = deque()
         self.added = 0
+        self.max_lines, self.max_bytes = max_lines, max_bytes
+        self.bytes = 0  # characters, really: bytes for ASCII, and cheap to count
 
     def add(self, item) -> None:
-        self.items.append(item)
+        items = self.items
+        if len(items) >= self.max_lines:
+            self.bytes -= len(items.popleft()[-1])
+        items.append(item)
         self.added += 1
+        self.bytes += len(item[-1])
+        while self.bytes > self.max_bytes and len(items) > 1:
+            self.bytes -= len(items.popleft()[-1])
 
     @property
     def dropped(self) -> int:
@@ -50,14 +67,14 @@ class RankState:
         "bar_final",
     )
 
-    def __init__(self, rank: int, max_lines: int):
+    def __init__(self, rank: int, max_lines: int, view_bytes: int = VIEW_BYTES):
         self.rank = rank
         self.pid: Optional[int] = None
         self.state = "pending"
         self.detail = ""
         self.started: Optional[float] = None  # time.monotonic()
         self.seconds: Optional[float] = None  # once it ended
-        self.log = Log(max_lines)  # (stream, text) of whole lines
+        self.log = Log(max_lines, view_bytes)  # (stream, text) of whole lines
         self.current: dict = {}  # stream -> the redraw in progress (transient text)
         self.bar_text: Optional[str] = None  # the newest line that may be a tqdm bar
         self.bar_final = False
@@ -85,10 +102,11 @@ def failure_detail(event: ev.RankFailed) -> str:
 
 class LaunchModel:
     """The launch's state ("pending", "running", "done", "failed", "stopped"), its ranks, the log of
-    all ranks and of each, and its failures. Read its fields under `lock`."""
+    all ranks and of each (`max_lines` and `view_bytes` each, lines cut to SHOWN_LINE), and its
+    failures. Read its fields under `lock`."""
 
-    def __init__(self, max_lines: int = 1000):
-        self.max_lines = int(max_lines)
+    def __init__(self, max_lines: int = 1000, view_bytes: int = VIEW_BYTES):
+        self.max_lines, self.view_bytes = int(max_lines), int(view_bytes)
         self.lock = threading.Lock()
         self.launches = 0  # a panel may show several launches in turn
         self.layout = 0  # bumped when the set of ranks changes
@@ -101,14 +119,14 @@ class LaunchModel:
         self.note = self.notice = ""
         self.stop_requested = False
         self.failures: list = []
-        self.all = Log(self.max_lines)  # (rank, stream, text)
+        self.all = Log(self.max_lines, self.view_bytes)  # (rank, stream, text)
         self.ranks: dict = {}
         self.layout += 1
         self.launches += 1
         if started is not None:
             first = started.node_rank * started.num_processes
             for rank in started.ranks or range(first, first + started.num_processes):
-                self.ranks[rank] = RankState(rank, self.max_lines)
+                self.ranks[rank] = RankState(rank, self.max_lines, self.view_bytes)
 
     def handle(self, event) -> None:
         with self.lock:
@@ -120,7 +138,7 @@ class LaunchModel:
     def rank(self, rank: int) -> RankState:
         r = self.ranks.get(rank)
         if r is None:  # a rank LaunchStarted did not announce: show it anyway
-            r = self.ranks[rank] = RankState(rank, self.max_lines)
+            r = self.ranks[rank] = RankState(rank, self.max_lines, self.view_bytes)
             self.layout += 1
         return r
 
@@ -132,19 +150,20 @@ class LaunchModel:
 
     def _output(self, e: ev.RankOutput) -> None:
         r = self.ranks.get(e.rank) or self.rank(e.rank)
+        text = e.text if len(e.text) <= SHOWN_LINE else cut(e.text, SHOWN_LINE)
         if e.transient:
-            if e.text.strip():
-                r.current[e.stream] = e.text
-                if e.text.rstrip().endswith("]"):  # cheap test; a view parses
-                    r.bar_text, r.bar_final = e.text, False
+            if text.strip():
+                r.current[e.stream] = text
+                if text.rstrip().endswith("]"):  # cheap test; a view parses
+                    r.bar_text, r.bar_final = text, False
             else:  # a bar erased itself (tqdm leave=False)
                 r.current.pop(e.stream, None)
             return
         r.current.pop(e.stream, None)
-        if e.text.rstrip().endswith("]"):
-            r.bar_text, r.bar_final = e.text, True
-        r.log.add((e.stream, e.text))
-        self.all.add((e.rank, e.stream, e.text))
+        if text.rstrip().endswith("]"):
+            r.bar_text, r.bar_final = text, True
+        r.log.add((e.stream, text))
+        self.all.add((e.rank, e.stream, text))
 
     def _lifecycle(self, event) -> None:
         if isinstance(event, ev.LaunchStarted):

@@ -45,5 +45,13 @@ class LineSplitter:
         return [(_text(rest), False)] if rest else []
 
 
+def cut(text: str, limit: int) -> str:
+    """`text` shown in at most about `limit` characters: its start, then a note of what was cut."""
+    if len(text) <= limit:
+        return text
+    rest = len(text[limit:].encode("utf-8", errors="replace"))
+    return f"{text[:limit]} … {rest:,} bytes cut"
+
+
 def _text(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")

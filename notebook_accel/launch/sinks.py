@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import sys
-from typing import Iterable
+from typing import Iterable, Optional
 
 from . import events as ev
+from .lines import cut
+
+# ConsoleSink cuts a line longer than this (with a "… N bytes cut" note). In a kernel with widgets
+# off each line is a stream message the notebook keeps and the browser draws; 16 KiB is 200 rows of
+# 80 columns, more than anyone reads of one line, and a 16th of what lines.py passes as one.
+CONSOLE_LINE = 16 << 10
 
 
 class Sink:
@@ -23,17 +29,20 @@ class Sink:
 
 
 class ConsoleSink(Sink):
-    """`[rank N] line` on the parent's sys.stdout / sys.stderr, so a notebook shows it in the cell."""
+    """`[rank N] line` on the parent's sys.stdout / sys.stderr, so a notebook shows it in the cell;
+    a line longer than `max_line` characters is cut (None: never)."""
 
-    def __init__(self, show_lifecycle: bool = False):
+    def __init__(self, show_lifecycle: bool = False, max_line: Optional[int] = CONSOLE_LINE):
         self.show_lifecycle = show_lifecycle
+        self.max_line = max_line
 
     def handle(self, event) -> None:
         if isinstance(event, ev.RankOutput):
             if event.transient:
                 return  # a progress bar's redraws; its final state arrives as a whole line
             stream = sys.stderr if event.stream == "stderr" else sys.stdout
-            stream.write(f"[rank {event.rank}] {event.text}\n")
+            text = event.text if self.max_line is None else cut(event.text, self.max_line)
+            stream.write(f"[rank {event.rank}] {text}\n")
         elif isinstance(event, ev.RankFailed):
             sys.stderr.write(f"[rank {event.rank}] FAILED: {event.summary()}\n")
         elif isinstance(event, ev.LaunchNotice):

@@ -161,3 +161,13 @@ def progress_bar(steps: int) -> int:
 def sleep_and_return(seconds: float) -> int:
     time.sleep(seconds)
     return int(os.environ["RANK"])
+
+
+def start_a_sleeper(marker_path: str) -> int:
+    """Starts a grandchild that would outlive the rank, writes its pid to a file, and returns."""
+    import subprocess
+
+    sleeper = subprocess.Popen(["sleep", "300"])
+    with open(f"{marker_path}.{os.environ['RANK']}", "w") as f:
+        f.write(str(sleeper.pid))
+    return sleeper.pid

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from launch_targets import rank_of_this_process, sleep_and_return
+from launch_targets import rank_of_this_process, sleep_and_return, start_a_sleeper
 
 from notebook_accel.launch import (
     LaunchFailedError,
@@ -133,3 +133,79 @@ def test_workers_started_from_a_thread_outlive_that_thread(start_method):
         psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         for pid in pids.values()
     )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_what_a_rank_started_ends_with_it_after_a_successful_launch(tmp_path, start_method):
+    marker = str(tmp_path / "sleeper")
+    pids = notebook_launcher(start_a_sleeper, (marker,), num_processes=2, start_method=start_method)
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)], "a rank's subprocess outlived the launch"
+
+
+@pytest.mark.timeout(120)
+def test_a_session_workers_subprocess_ends_with_the_session():
+    with Session(2, cpu=True) as session:
+        replies = session.run_cell("import subprocess\nsubprocess.Popen(['sleep', '300']).pid")
+        pids = [int(r.result_repr) for r in replies.values()]
+        assert all(_alive(p) for p in pids)  # a worker's children live while the worker does
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_a_process_count_that_is_not_an_int_is_named():
+    from notebook_accel.launch import LaunchConfigError
+
+    for bad in ("2", 2.0, True):
+        with pytest.raises(LaunchConfigError, match=rf"num_processes={bad!r} must be an integer"):
+            notebook_launcher(rank_of_this_process, num_processes=bad)
+
+
+@pytest.mark.timeout(60)
+def test_an_absurd_process_count_fails_before_anything_starts(no_orphans):
+    from notebook_accel.launch import LaunchConfigError
+
+    began = time.monotonic()
+    with pytest.raises(
+        LaunchConfigError,
+        match=r"num_processes=10000 is more than 64 per CPU core.*NOTEBOOK_ACCEL_MANY_PROCESSES=1",
+    ):
+        notebook_launcher(rank_of_this_process, num_processes=10000, cpu=True)
+    assert time.monotonic() - began < 5
+    no_orphans()
+
+
+@pytest.mark.timeout(60)
+def test_a_count_over_the_open_file_limit_is_named_with_the_fix():
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "from notebook_accel.launch import notebook_launcher, LaunchConfigError\n"
+        "try:\n"
+        "    notebook_launcher(print, num_processes=30, cpu=True)\n"
+        "except LaunchConfigError as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(0)\n"
+        "sys.exit(1)\n"
+    )
+    env = {**os.environ, "NOTEBOOK_ACCEL_MANY_PROCESSES": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "needs about 214 open files" in result.stdout and "limit is 100" in result.stdout
+    assert "ulimit -n 214" in result.stdout

@@ -118,6 +118,7 @@ class Monitor:
         if r.channel.open and now - r.exited_at < DRAIN_GRACE_S:
             return
         r.done = True
+        r.proc.end_group()
         for sock in (r.proc.out, r.proc.err, r.proc.ctrl):
             try:
                 self.sel.unregister(sock)

@@ -3,6 +3,7 @@ process starts (see shared/DESIGN.md, "The launch path as data")."""
 
 from __future__ import annotations
 
+import operator
 import os
 import socket
 import sys
@@ -155,6 +156,8 @@ def make_plan(
     if num_processes is None:
         num_processes = _default_num_processes(devices, engine, notes)
     num_processes = _positive_int("num_processes", num_processes)
+    if engine != "xla":
+        _check_process_count(num_processes, hardware.physical_cores())
     if devices and num_processes > devices:
         raise LaunchConfigError(
             f"num_processes={num_processes} but only {devices} {family} device(s) are visible: use at most "
@@ -223,12 +226,43 @@ def choose_engine(family: Optional[str], num_nodes: int, max_restarts: int, rdzv
 
 
 def _int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise LaunchConfigError(f"{name}={value!r} must be an integer.")
+    """An int (numpy's and torch's integer scalars too); "2", 2.0 and True are refused alike."""
     try:
-        return int(value)
-    except ValueError:
-        raise LaunchConfigError(f"{name}={value!r} must be an integer.") from None
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise LaunchConfigError(
+            f"{name}={value!r} must be an integer, not {type(value).__name__}; pass {name}=N."
+        ) from None
+
+
+MANY_PROCESSES_ENV = "NOTEBOOK_ACCEL_MANY_PROCESSES"  # "1": launch more than PROCESSES_PER_CORE
+PROCESSES_PER_CORE = 64  # past this a launch is a typo (10000 for 100), not a plan
+FDS_PER_RANK = 5  # the parent holds three sockets and a pidfd per rank, a session one more
+
+
+def _check_process_count(num_processes: int, cores: int) -> None:
+    """Refuse a count this process cannot start, before forking a few thousand processes."""
+    ceiling = PROCESSES_PER_CORE * cores
+    if num_processes > ceiling and os.environ.get(MANY_PROCESSES_ENV) != "1":
+        raise LaunchConfigError(
+            f"num_processes={num_processes} is more than {PROCESSES_PER_CORE} per CPU core here ({cores} "
+            f"cores, so at most {ceiling}). Check the number; to launch that many anyway, set "
+            f"{MANY_PROCESSES_ENV}=1."
+        )
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit to check
+        return
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = FDS_PER_RANK * num_processes + 64
+    if soft != resource.RLIM_INFINITY and needed > soft:
+        raise LaunchConfigError(
+            f"num_processes={num_processes} needs about {needed} open files in this process, and its limit "
+            f"is {soft}: raise it (`ulimit -n {needed}` before starting Python or Jupyter, or "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ...)), or launch fewer processes."
+        )
 
 
 def _positive_int(name: str, value) -> int:

@@ -62,6 +62,16 @@ class RankProcess:
             return True
         return self.exit_fd is not None and bool(select.select([self.exit_fd], [], [], 0)[0])
 
+    def end_group(self) -> None:
+        """SIGKILL what is left of the rank's process group once the rank has ended: processes it
+        started (DataLoader workers, a subprocess) die with it. One that left the group on purpose
+        (setsid, a daemon) is its own. Safe after reaping: Linux keeps a group's id from being
+        reused as a pid while the group has members."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is not None:
             return

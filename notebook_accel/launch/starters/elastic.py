@@ -363,6 +363,13 @@ class _Hub:
                     self._read(key.data)
 
     def close(self) -> None:
+        import signal
+
+        for pid in self.pids.values():  # each worker led its group: what it started ends with it
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for key in list(self.sel.get_map().values()):
             try:
                 key.fileobj.close()

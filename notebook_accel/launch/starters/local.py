@@ -64,6 +64,7 @@ def kill(handles: list, warm, seconds: float = 5.0) -> None:
             if warm is not None:
                 warm.pump()
             time.sleep(0.01)
+        h.end_group()
 
 
 def run(plan, payload, sink, control) -> list:

@@ -59,8 +59,13 @@ def accelerate_work(report_dir: str, cpu: bool) -> None:
     if dist.is_initialized():
         dist.all_reduce(t)
     # accelerate's launcher returns nothing: each rank writes down what it saw.
-    seen = {"process_index": state.process_index, "num_processes": state.num_processes,
-            "distributed_type": str(state.distributed_type), "group": dist.is_initialized(), "sum": t.item()}  # fmt: skip
+    seen = {
+        "process_index": state.process_index,
+        "num_processes": state.num_processes,
+        "distributed_type": str(state.distributed_type),
+        "group": dist.is_initialized(),
+        "sum": t.item(),
+    }
     with open(os.path.join(report_dir, f"{os.getpid()}.json"), "w") as f:
         json.dump(seen, f)
 
@@ -179,8 +184,12 @@ def measure_launches(ranks: list, reps: int, spawn_reps: int, with_accelerate: b
         samples[name] = values
     for key in accelerate_seen:
         accelerate_seen[key] = _distinct(accelerate_seen[key])
-    return {"samples": samples, "errors": errors, "accelerate_seen": accelerate_seen,
-            "accelerate_said": sorted(accelerate_said)}  # fmt: skip
+    return {
+        "samples": samples,
+        "errors": errors,
+        "accelerate_seen": accelerate_seen,
+        "accelerate_said": sorted(accelerate_said),
+    }
 
 
 def _distinct(records: list) -> list:
@@ -204,8 +213,88 @@ def measure_relay(world: int, lines: int) -> dict:
     elapsed = time.perf_counter() - start
     complete = all(sink.lines(r) == [f"rank {r} line {i}" for i in range(lines)] for r in range(world))
     total = world * lines
-    return {"ranks": world, "lines_per_rank": lines, "seconds": elapsed, "lines_per_s": total / elapsed,
-            "complete_and_ordered": complete, "received": sum(len(sink.lines(r)) for r in range(world))}  # fmt: skip
+    return {
+        "ranks": world,
+        "lines_per_rank": lines,
+        "seconds": elapsed,
+        "lines_per_s": total / elapsed,
+        "complete_and_ordered": complete,
+        "received": sum(len(sink.lines(r)) for r in range(world)),
+    }
+
+
+# -- a large return value: 1 GiB from rank 0, against the same bytes through a socket pair ------
+def large_result_work(nbytes: int):
+    if os.environ["RANK"] != "0":
+        return None
+    return torch.ones(nbytes // 4)  # float32
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def large_result_sample(kind: str, nbytes: int) -> dict:
+    """One sample, in a fresh interpreter (so ru_maxrss is this sample's peak)."""
+    import resource
+    import socket
+
+    before = _rss()
+    start = time.perf_counter()
+    if kind == "socket pair":
+        a, b = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            a.sendall(torch.ones(nbytes // 4).numpy())
+            os._exit(0)
+        buf, got = bytearray(nbytes), 0
+        view = memoryview(buf)
+        while got < nbytes:
+            got += b.recv_into(view[got:])
+        os.waitpid(pid, 0)
+        ok = got == nbytes
+    else:
+        from notebook_accel import notebook_launcher
+
+        out = notebook_launcher(large_result_work, (nbytes,), num_processes=2, use_port="auto")
+        ok = out[1] is None and out[0].numel() * 4 == nbytes and bool(out[0][-1] == 1)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"seconds": seconds, "peak_added": peak - before, "ok": ok}
+
+
+def measure_large_result(nbytes: int, reps: int) -> dict:
+    import subprocess
+
+    samples: dict = {"socket pair": [], "notebook_launcher": []}
+    for _ in range(reps):
+        for kind in samples:
+            code = (
+                f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import launch; "
+                f"print(json.dumps(launch.large_result_sample({kind!r}, {nbytes})))"
+            )
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+            samples[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return samples
+
+
+def large_result_markdown(samples: dict, nbytes: int) -> str:
+    med = {k: statistics.median(s["seconds"] for s in v) for k, v in samples.items()}
+    peak = {k: max(s["peak_added"] for s in v) for k, v in samples.items()}
+    rows = [
+        f"| {nbytes / 2**30:.1f} GiB from rank 0 | runs | median (s) | parent's peak added memory |",
+        "|---|---|---|---|",
+    ]
+    for kind, values in samples.items():
+        ok = "" if all(s["ok"] for s in values) else " (WRONG RESULT)"
+        rows.append(f"| {kind}{ok} | {len(values)} | {med[kind]:.2f} | {peak[kind] / nbytes:.2f}x |")
+    ratio = med["notebook_launcher"] / med["socket pair"]
+    rows.append(
+        f"\nTime ratio notebook_launcher / socket pair: {ratio:.2f} (target <= 1.5); the launcher's "
+        f"peak added memory {peak['notebook_launcher'] / nbytes:.2f}x the result (target <= 1.2)."
+    )
+    return "\n".join(rows)
 
 
 def summarize(result: dict, ranks: list) -> dict:
@@ -248,12 +337,16 @@ def markdown(result: dict, summary: dict, relay: dict) -> str:
             rows.append(
                 f"\naccelerate, {world} ranks launched, PartialState({cpu}): {item['reports']} rank-runs saw {item['seen']}"
             )
-    rows += ["", "| log relay | value |", "|---|---|",
-             f"| ranks x lines | {relay['ranks']} x {relay['lines_per_rank']} |",
-             f"| lines received | {relay['received']} |",
-             f"| complete, in per-rank order | {'yes' if relay['complete_and_ordered'] else 'NO'} |",
-             f"| wall time (s) | {relay['seconds']:.2f} |",
-             f"| lines/s | {relay['lines_per_s']:,.0f} |"]  # fmt: skip
+    rows += [
+        "",
+        "| log relay | value |",
+        "|---|---|",
+        f"| ranks x lines | {relay['ranks']} x {relay['lines_per_rank']} |",
+        f"| lines received | {relay['received']} |",
+        f"| complete, in per-rank order | {'yes' if relay['complete_and_ordered'] else 'NO'} |",
+        f"| wall time (s) | {relay['seconds']:.2f} |",
+        f"| lines/s | {relay['lines_per_s']:,.0f} |",
+    ]
     return "\n".join(rows)
 
 
@@ -265,7 +358,14 @@ def main(argv=None) -> int:
     parser.add_argument("--lines", type=int, default=50_000, help="lines per rank in the log-relay check")
     parser.add_argument("--no-accelerate", action="store_true", help="skip accelerate even if installed")
     parser.add_argument("--json", metavar="PATH", help="also write every sample and ratio here")
+    parser.add_argument("--large-result-gib", type=float, default=1.0, help="size of the large-result row")
+    parser.add_argument("--large-result-reps", type=int, default=3)
+    parser.add_argument("--only-large-result", action="store_true", help="measure only the large-result row")
     options = parser.parse_args(argv)
+    nbytes = int(options.large_result_gib * 2**30) // 4 * 4
+    if options.only_large_result:
+        print(large_result_markdown(measure_large_result(nbytes, options.large_result_reps), nbytes))
+        return 0
 
     with_accelerate = not options.no_accelerate and accelerate_available()
     if not with_accelerate:
@@ -280,9 +380,15 @@ def main(argv=None) -> int:
         versions += f", accelerate {accelerate.__version__}"
     print(f"Launch latency ({versions})\n")
     print(markdown(result, summary, relay))
+    large = measure_large_result(nbytes, options.large_result_reps)
+    print("\n" + large_result_markdown(large, nbytes))
     if options.json:
         with open(options.json, "w") as f:
-            json.dump({"versions": versions, **result, **summary, "relay": relay}, f, indent=2)
+            json.dump(
+                {"versions": versions, **result, **summary, "relay": relay, "large_result": large},
+                f,
+                indent=2,
+            )
     return 0
 
 

@@ -171,3 +171,23 @@ def start_a_sleeper(marker_path: str) -> int:
     with open(f"{marker_path}.{os.environ['RANK']}", "w") as f:
         f.write(str(sleeper.pid))
     return sleeper.pid
+
+
+def tensors_to_return(megabytes: int) -> dict:
+    """A large tensor, views sharing its storage, a Parameter, a transposed matrix, an empty one."""
+    import numpy as np
+    import torch
+
+    rank = int(os.environ["RANK"])
+    big = torch.full((megabytes << 18,), float(rank))
+    matrix = torch.arange(12.0).reshape(3, 4)
+    return {
+        "big": big,
+        "head": big[:5],
+        "param": torch.nn.Parameter(torch.ones(3, 4, dtype=torch.bfloat16)),
+        "matrix": matrix,
+        "transposed": matrix.t(),
+        "empty": torch.empty(0, 3),
+        "array": np.arange(10),
+        "text": "x",
+    }

@@ -6,6 +6,9 @@ import pickle
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 from notebook_accel.launch import events as ev
 from notebook_accel.launch.channel import HEADER, FrameBuffer, RankChannel, encode
 
@@ -33,11 +36,27 @@ def test_a_rank_channel_turns_streams_into_events():
     # a bare \r ends a redraw: shown as transient, replaced by the next line of that stream
     assert chan.feed("stderr", b"50%\r") == [ev.RankOutput(3, "stderr", "50%", True)]
     assert chan.outcome is None
-    chan.feed("ctrl", encode(("result", b"r")))
-    assert chan.outcome == "result" and chan.result == b"r" and chan.pid == 42
+    chan.feed("ctrl", encode(("result", pickle.dumps("r"), [])))
+    assert chan.outcome == "result" and chan.load_result() == "r" and chan.pid == 42
     # a stream that ends gives up its partial line as a whole one
     assert chan.feed("stdout", b"") == [ev.RankOutput(3, "stdout", "tw")]
     assert chan.open == {"stderr", "ctrl"}
+
+
+def test_a_result_s_buffers_follow_its_frame_in_any_split():
+    from notebook_accel.launch.payload import dumps_result
+
+    value = {"a": np.arange(1000, dtype=np.int64), "b": np.zeros(0), "c": "text"}
+    body, buffers = dumps_result(value)
+    stream = encode(("result", body, [len(b) for b in buffers])) + b"".join(bytes(b) for b in buffers)
+    for step in (1, 7, 4096, len(stream)):
+        chan = RankChannel(0)
+        for i in range(0, len(stream), step):
+            assert chan.outcome is None
+            chan.feed("ctrl", stream[i : i + step])
+        assert chan.outcome == "result"
+        got = chan.load_result()
+        assert got["a"].tolist() == list(range(1000)) and got["b"].shape == (0,) and got["c"] == "text"
 
 
 def test_an_error_outcome_wins_and_keeps_its_report():
@@ -106,3 +125,51 @@ def test_registering_in_a_kernel_stays_cheap():
         "print(sorted(m for m in ('torch', 'IPython', 'ipywidgets') if m in sys.modules))"
     )
     assert out.splitlines() == ["True", "[]"]
+
+
+_LARGE = """
+import json, os, resource, sys
+import torch
+from notebook_accel.launch import notebook_launcher
+from launch_targets import tensors_to_return
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+before = rss()
+out = notebook_launcher(tensors_to_return, (100,), num_processes=2, start_method=sys.argv[1])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+checks = []
+for rank, o in enumerate(out):
+    checks += [
+        o["big"].shape == (100 << 18,), float(o["big"][0]) == rank, float(o["big"][-1]) == rank,
+        o["head"].tolist() == [float(rank)] * 5,
+        o["head"].data_ptr() == o["big"].data_ptr(),  # views share their storage again
+        o["transposed"].data_ptr() == o["matrix"].data_ptr(), o["transposed"].tolist() == o["matrix"].t().tolist(),
+        isinstance(o["param"], torch.nn.Parameter), o["param"].requires_grad, o["param"].dtype == torch.bfloat16,
+        o["empty"].shape == (0, 3), o["array"].tolist() == list(range(10)), o["text"] == "x",
+    ]
+print(json.dumps({"checks": checks, "peak_added": peak, "result_bytes": 2 * (100 << 20)}))
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_large_result_arrives_whole_without_copies(start_method):
+    # 100 MB per rank: the old framing copied its buffer on every receive (minutes for this size)
+    # and held the result about three times over in the parent.
+    import json
+
+    result = subprocess.run(
+        [sys.executable, "-c", _LARGE, start_method],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=os.path.dirname(__file__),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert all(report["checks"]), report["checks"]
+    assert report["peak_added"] < 1.5 * report["result_bytes"], report

@@ -14,7 +14,7 @@ import socket
 import sys
 import traceback
 
-from .channel import recv_frame, send_frame
+from .channel import recv_frame, send_frame, send_result
 
 
 def _die_with_parent() -> None:
@@ -92,15 +92,15 @@ def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
             send_frame(ctrl, ("error", _error_report(exc)))
             return 1
         flush_output()
-        import cloudpickle
+        from .payload import dumps_result
 
         try:
-            data = cloudpickle.dumps(result)
+            body, buffers = dumps_result(result)
         except Exception as exc:
             msg = f"the return value of rank {rank} ({type(result).__name__}) cannot be pickled: {exc}"
             send_frame(ctrl, ("error", {"exc_type": "PicklingError", "message": msg, "traceback": ""}))
             return 1
-        send_frame(ctrl, ("result", data))
+        send_result(ctrl, body, buffers)
         code = 0
     finally:
         flush_output()

@@ -3,14 +3,13 @@ stop the other ranks when one fails, and collect results. Single-threaded, drive
 
 from __future__ import annotations
 
-import pickle
 import selectors
 import signal
 import time
 from typing import Optional
 
 from . import events as ev
-from .channel import RankChannel, recv_ready
+from .channel import RankChannel
 from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, failure_from_exit
 
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
@@ -69,7 +68,7 @@ class Monitor:
                 key=lambda f: _is_peer_fallout({"exc_type": f.exc_type or "", "message": f.message}),
             )
             raise LaunchFailedError(ordered)
-        return [pickle.loads(r.channel.result) for r in self.ranks]
+        return [r.channel.load_result() for r in self.ranks]
 
     def _step(self) -> None:
         needs_polling = any(r.proc.exit_fd is None and not r.done for r in self.ranks)
@@ -100,12 +99,12 @@ class Monitor:
             self.killed = True
 
     def _read(self, r: _Rank, sock, stream: str) -> None:
-        data = recv_ready(sock, 1 << 20 if stream == "ctrl" else 1 << 16)
-        if data is None:
+        events = r.channel.read(stream, sock)
+        if events is None:
             return
-        if not data:
+        if stream not in r.channel.open:
             self.sel.unregister(sock)
-        for event in r.channel.feed(stream, data):
+        for event in events:
             self.sink.handle(event)
 
     # -- completion and failure ---------------------------------------------------------------

@@ -10,6 +10,8 @@ import inspect
 import io
 import linecache
 import os
+import pickle
+import sys
 import types
 
 import cloudpickle
@@ -55,6 +57,93 @@ def dumps(function, args: tuple) -> bytes:
         return buffer.getvalue()
     except Exception as exc:
         raise UnpicklableError(_explain(function, args, exc)) from exc
+
+
+class _ResultPickler(_Pickler):
+    """A rank's return value with its tensors' and arrays' bytes out of band (pickle protocol 5):
+    the rank sends them straight from the tensors' memory and the parent rebuilds the tensors on
+    the buffers it received them into, so a 1 GB result is not copied three times on each side.
+    As torch's own pickling does, a storage travels whole and once: tensors that shared one (tied
+    weights, views) share it again in the parent. Tensors arrive on the CPU (a CUDA tensor
+    unpickled in the parent would initialise CUDA there)."""
+
+    def __init__(self, file, buffers: list):
+        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+        self._storages: dict = {}  # (address, size) -> _StorageBytes, so each storage goes once
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            reduced = self._tensor(torch, obj)
+            if reduced is not None:
+                return reduced
+        return super().reducer_override(obj)
+
+    def _tensor(self, torch, tensor):
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
+            return None
+        t = tensor.detach()
+        t = t.to("cpu") if t.device.type != "cpu" else t
+        if t.is_conj() or t.is_neg():
+            return None
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in self._storages:
+            whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+            self._storages[key] = _StorageBytes(whole.numpy() if storage.nbytes() else b"")
+        shape, stride, parameter = tuple(t.shape), tuple(t.stride()), isinstance(tensor, torch.nn.Parameter)
+        args = (
+            self._storages[key],
+            t.dtype,
+            t.storage_offset(),
+            shape,
+            stride,
+            tensor.requires_grad,
+            parameter,
+        )
+        return (_tensor_from, args)
+
+
+class _StorageBytes:
+    """A storage's bytes; pickled out of band, unpickled as the buffer they were received into."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __reduce_ex__(self, protocol):
+        return (_received, (pickle.PickleBuffer(self.data),))
+
+
+def _received(buffer):
+    return buffer
+
+
+def _tensor_from(
+    buffer, dtype, offset: int, shape: tuple, stride: tuple, requires_grad: bool, parameter: bool
+):
+    """Rebuild a tensor on the memory its storage was received into (no copy)."""
+    import torch
+
+    if len(buffer):
+        storage = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
+    else:
+        storage = torch.empty(0, dtype=dtype)
+    tensor = storage.as_strided(shape, stride, offset)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def dumps_result(value) -> tuple:
+    """(pickle body, out-of-band buffers) of a rank's return value; see _ResultPickler."""
+    buffers: list = []
+    file = io.BytesIO()
+    _ResultPickler(file, buffers).dump(value)
+    return file.getvalue(), [b.raw() for b in buffers]
+
+
+def loads_result(body: bytes, buffers: list):
+    return pickle.loads(body, buffers=buffers)
 
 
 def loads(data: bytes):

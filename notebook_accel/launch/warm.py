@@ -122,7 +122,7 @@ class WarmServer:
     _instance: Optional["WarmServer"] = None
     _lock = threading.Lock()
 
-    def __init__(self, deadline: Optional[float] = None) -> None:
+    def __init__(self) -> None:
         mine, theirs = socket.socketpair()
         env = dict(os.environ)
         env["NOTEBOOK_ACCEL_SERVER_FD"] = str(theirs.fileno())
@@ -145,29 +145,28 @@ class WarmServer:
         self._starting = threading.Lock()
         self._tokens = itertools.count(1)
         try:
-            self.pid = self._ready(deadline)
+            self.pid = self._ready()
         except BaseException:
             self.close()
             raise
 
-    def _ready(self, deadline: Optional[float]) -> int:
+    def _ready(self) -> int:
         self._ready_pid = None
         while self._ready_pid is None:
             with self._io:
-                self._read_one(_left(deadline, 0.1))
+                self._read_one(1.0)
             if self.lost:
                 raise ForkserverLost(f"notebook_accel's forkserver failed to start: {self.lost}")
-            _check(deadline, "while the forkserver started")
         return self._ready_pid
 
     @classmethod
-    def get(cls, deadline: Optional[float] = None) -> "WarmServer":
+    def get(cls) -> "WarmServer":
         with cls._lock:
             old = cls._instance
             if old is None or old.lost or old.proc.poll() is not None:
                 if old is not None:
                     old.close()  # reaps it: a dead server is no zombie
-                cls._instance = cls(deadline)
+                cls._instance = cls()
             return cls._instance
 
     @classmethod

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import selectors
 import shutil
 import socket
@@ -27,6 +26,7 @@ from ..errors import (
     NodesMissingError,
     failure_from_exit,
 )
+from ..payload import loads_result
 
 NODE_WAIT_NOTICE_S = 5.0  # no worker yet after this long: say which nodes we are waiting for
 _WAIT_KEY = {"static": "timeout", "c10d": "join_timeout"}  # the rendezvous wait, in seconds
@@ -242,6 +242,7 @@ class _Hub:
         self.ranks: dict = {}  # local_rank -> global rank of its latest attempt
         self.outcomes: dict = {}  # local_rank -> (attempt, "result"/"error", value)
         self.channels: dict = {}  # (local_rank, attempt) -> RankChannel
+        self.finished: set = set()  # (local_rank, attempt) whose outcome was reported
 
     def serve_until(self, thread: threading.Thread, control) -> None:
         drained_at = None
@@ -275,6 +276,11 @@ class _Hub:
             self.open += 1
 
     def _read(self, conn: _Conn) -> None:
+        if conn.key is not None:  # past the header: the channel reads (a result's buffers in place)
+            events = conn.channel.read(conn.key[2], conn.sock)
+            if events is not None:
+                self._deliver(conn, events)
+            return
         data = recv_ready(conn.sock)
         if data is None:
             return
@@ -294,17 +300,20 @@ class _Hub:
                 conn.sock.setblocking(False)
             if not data:
                 return  # only the header so far
+        self._deliver(conn, conn.channel.feed(conn.key[2], data))
+
+    def _deliver(self, conn: _Conn, events: list) -> None:
         local_rank, attempt, stream = conn.key
         chan = conn.channel
-        had = chan.outcome
-        for event in chan.feed(stream, data):
+        for event in events:
             if isinstance(event, ev.RankStarted):
                 self.ranks[local_rank] = chan.rank
                 self.pids[(local_rank, attempt)] = event.pid
             self.sink.handle(event)
-        if chan.outcome is not None and had is None:
+        if chan.outcome is not None and (local_rank, attempt) not in self.finished:
+            self.finished.add((local_rank, attempt))
             self._finished(local_rank, attempt, chan)
-        if not data:
+        if stream not in chan.open:
             self._close(conn)
 
     def _finished(self, local_rank: int, attempt: int, chan: RankChannel) -> None:
@@ -341,7 +350,7 @@ class _Hub:
             attempt, kind, value = self.outcomes.get(local_rank, (None, None, None))
             if kind != "result":
                 raise RuntimeError(f"local rank {local_rank} finished without sending its result")
-            out.append(pickle.loads(value))
+            out.append(loads_result(*value))
         return out
 
     def stop_everything(self, thread: threading.Thread) -> None:

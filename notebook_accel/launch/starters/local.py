@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 from .. import events as ev
 from .. import procs
-from ..errors import LaunchStoppedError
+from ..errors import LaunchStoppedError, LaunchTimeoutError
 
 
 class StartedRanks(NamedTuple):
@@ -23,7 +23,7 @@ class StartedRanks(NamedTuple):
 def start(plan, payload, deadline: Optional[float] = None) -> StartedRanks:
     """Start every local rank of `plan` running `payload`. If one fails to start, the ranks
     already started are killed and reaped before the error goes up: nothing is left behind.
-    `deadline` (time.monotonic()) bounds the wait for the forkserver (a launch's timeout)."""
+    `deadline` (time.monotonic()) bounds waiting for the forkserver to fork them (a launch's timeout)."""
     warm = None
     if plan.start_method == "fork":
         from ... import state  # noqa: F401  (imported once here rather than in every forked rank)
@@ -32,7 +32,7 @@ def start(plan, payload, deadline: Optional[float] = None) -> StartedRanks:
     if plan.start_method == "forkserver":
         from ..warm import WarmServer
 
-        warm = WarmServer.get(deadline)
+        warm = WarmServer.get()  # not bounded by `deadline`: it says ready, or its socket ends
     handles, requests = [], []
     try:
         for local_rank in range(plan.num_processes):
@@ -76,8 +76,17 @@ def run(plan, payload, sink, control) -> list:
     sink.handle(ev.LaunchStarted(plan.num_processes, plan.start_method, plan.world_size, plan.node_rank))
     ranks = None
     try:
+        if plan.start_method == "forkserver":
+            from ..warm import WarmServer
+
+            WarmServer.get()  # a kernel's one-time warm-up, before the launch's clock starts
         control.start()  # the timeout covers starting the ranks too
-        ranks = start(plan, payload, control.deadline)
+        try:
+            ranks = start(plan, payload, control.deadline)
+        except LaunchTimeoutError as exc:
+            control.timed_out = True
+            text = f"timed out after {control.timeout:g} s (timeout={control.timeout:g}) {exc.reason}"
+            raise LaunchTimeoutError(text) from None
         results = Monitor(ranks.handles, plan, sink, warm=ranks.warm, control=control).run()
     except BaseException as exc:
         # KeyboardInterrupt, a failure while starting, or a rank failure: leave no process behind.

@@ -7,10 +7,13 @@ import socket
 import time
 
 import pytest
+from stranger import closed_by_parent, start_with_stranger
 
 from notebook_accel.launch.plan import make_plan
 from notebook_accel.launch.sinks import ListSink
 from notebook_accel.launch.starters import elastic
+from notebook_accel.session import protocol
+from notebook_accel.session import reader as session_reader
 
 
 # -- the elastic hub ---------------------------------------------------------------------------
@@ -78,3 +81,38 @@ def test_the_elastic_hub_drops_a_connection_with_a_malformed_header_line():
         for _, sock in strangers:
             sock.close()
         hub.close()
+
+
+# -- the session channel while workers start ---------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_strangers_connection_is_dropped_and_the_session_starts(monkeypatch):
+    feed = protocol.FrameReader.feed
+
+    def feed_that_fails_on_boom(self, data):
+        if data.startswith(b"BOOM"):
+            raise RuntimeError("a bug these bytes hit")
+        return feed(self, data)
+
+    monkeypatch.setattr(protocol.FrameReader, "feed", feed_that_fails_on_boom)
+    frame = protocol.encode(protocol.new_key(), protocol.TO_PARENT, {"type": "hello", "rank": 0})
+    outcome = {}
+
+    def stranger(address):
+        socks = {what: socket.create_connection(address) for what in ("silent", "half a frame", "boom")}
+        socks["half a frame"].sendall(frame[:5])
+        socks["boom"].sendall(b"BOOM")
+        wait = session_reader.HELLO_WAIT_S + 10
+        outcome.update({what: closed_by_parent(s, wait) for what, s in socks.items()})
+        for s in socks.values():
+            s.close()
+
+    session, _, error = start_with_stranger(stranger)
+    try:
+        assert error is None, error
+        assert outcome == {"silent": True, "half a frame": True, "boom": True}
+        assert session._pool.dropped_connections == 3
+        assert session._pool.failure is None
+        replies = session.run_cell("'fine'")
+        assert {r: reply.result_repr for r, reply in replies.items()} == {0: "'fine'", 1: "'fine'"}
+    finally:
+        session.stop()

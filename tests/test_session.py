@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from stranger import closed_by_parent, listening, start_with_stranger
 
 from notebook_accel.session import (
     CellError,
@@ -308,8 +309,8 @@ def test_rich_output(session):
 
 
 # -- the channel -------------------------------------------------------------------------------
-@pytest.mark.timeout(60)
-def test_a_badly_signed_frame_is_dropped_unread(session, tmp_path):
+@pytest.mark.timeout(120)
+def test_a_badly_signed_frame_is_dropped_unread(tmp_path):
     marker = tmp_path / "unpickled"
 
     class Evil:
@@ -319,36 +320,57 @@ def test_a_badly_signed_frame_is_dropped_unread(session, tmp_path):
     payload = pickle.dumps(Evil())
     wrong_key = protocol.encode(protocol.new_key(), protocol.TO_PARENT, {"type": "hello", "rank": 0}, payload)
     unsigned = wrong_key[: -protocol.MAC_SIZE] + bytes(protocol.MAC_SIZE)
-    frames = [wrong_key, unsigned]
-    for frame in frames:
-        with socket.create_connection(("127.0.0.1", session.port)) as raw:
-            raw.sendall(frame)
-            raw.settimeout(10)
-            assert raw.recv(100) == b""  # the parent closed the connection
-    deadline = time.monotonic() + 10
-    while session.dropped_frames < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert session.dropped_frames == 2
-    assert not marker.exists()
-    assert results(session, "'still fine'") == {0: "'still fine'", 1: "'still fine'"}
+    closed = []
+
+    def stranger(address):  # while the workers start, when the channel listens
+        for frame in (wrong_key, unsigned):
+            with socket.create_connection(address) as raw:
+                raw.sendall(frame)
+                closed.append(closed_by_parent(raw, 10))
+
+    session, _, error = start_with_stranger(stranger)
+    try:
+        assert error is None, error
+        assert closed == [True, True]
+        assert session.dropped_frames == 2
+        assert not marker.exists()
+        assert results(session, "'still fine'") == {0: "'still fine'", 1: "'still fine'"}
+    finally:
+        session.stop()
 
 
-@pytest.mark.timeout(60)
-def test_the_channel_listens_on_loopback_only(session):
-    assert session._pool.listener.getsockname() == ("127.0.0.1", session.port)
-    listening = [
-        c.laddr for c in psutil.Process().net_connections("inet")
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == session.port
-    ]  # fmt: skip
-    assert listening == [("127.0.0.1", session.port)]  # no other socket of ours on that port
+@pytest.mark.timeout(120)
+def test_the_channel_listens_on_loopback_only():
     others = [
-        a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
         if a.family == socket.AF_INET and not a.address.startswith("127.")
-    ]  # fmt: skip
-    for address in others:  # this machine's other addresses do not reach the channel
-        with pytest.raises(OSError):
-            socket.create_connection((address, session.port), timeout=5).close()
-    assert results(session, "'reachable'") == {0: "'reachable'", 1: "'reachable'"}
+    ]
+    reached = []
+
+    def stranger(address):
+        socket.create_connection(address, timeout=5).close()
+        reached.append("loopback")
+        for other in others:  # this machine's other addresses must not reach the channel
+            try:
+                socket.create_connection((other, address[1]), timeout=5).close()
+            except OSError:
+                continue
+            reached.append(other)
+
+    session, addresses, error = start_with_stranger(stranger)
+    try:
+        assert error is None, error
+        assert addresses == [("127.0.0.1", session.port)]  # the one socket we opened, on loopback
+        assert reached == ["loopback"]
+        # Every worker said hello: nothing listens any more.
+        assert [a for a in listening() if a[1] == session.port] == []
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", session.port), timeout=5).close()
+        assert results(session, "'reachable'") == {0: "'reachable'", 1: "'reachable'"}
+    finally:
+        session.stop()
 
 
 @pytest.mark.timeout(10)

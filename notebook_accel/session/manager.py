@@ -61,8 +61,9 @@ class Session:
 
     @property
     def port(self) -> Optional[int]:
-        """The channel's listening port on 127.0.0.1, while started."""
-        return self._pool.listener.getsockname()[1] if self._pool is not None else None
+        """The channel's port on 127.0.0.1 that the workers connected to, while started. It listens
+        only while they start: once every worker has said hello nothing accepts on it."""
+        return self._pool.port if self._pool is not None else None
 
     @property
     def dropped_frames(self) -> int:

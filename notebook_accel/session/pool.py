@@ -46,7 +46,8 @@ class WorkerPool:
         self.key = protocol.new_key()
         self.warm = None
         self.failure: Optional[BaseException] = None
-        self.listener: Optional[socket.socket] = None
+        self.dropped_connections = 0  # unheard: silent, over MAX_UNBOUND, or bytes the reader failed on
+        self.port: Optional[int] = None  # the channel's port; nothing listens once every worker said hello
         self.reader = None
         self._output_failed = False
 
@@ -55,15 +56,15 @@ class WorkerPool:
         from .reader import Reader
 
         listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
         try:
-            self.workers, self.warm = start_workers(plan, listener.getsockname()[1], self.key)
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(64)
+            self.port = listener.getsockname()[1]
+            self.workers, self.warm = start_workers(plan, self.port, self.key)
+            self.reader = Reader(self, listener, self.workers, self.key)  # owns the listener from here
         except BaseException:
             listener.close()
             raise
-        self.listener = listener
-        self.reader = Reader(self, listener, self.workers, self.key)
         self.reader.start()
         try:
             ok = self.wait_until(
@@ -103,13 +104,12 @@ class WorkerPool:
         if self.reader is not None:
             self.reader.stop()
             self.reader.join(5.0)
+            if not self.reader.is_alive():  # it never ran, or it is done: the listener is ours to close
+                self.reader.close_listener()
         for w in self.workers:
             if w.conn is not None:
                 w.conn.close()
             w.proc.close()
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, req: Request, header: dict, payload: bytes = b"") -> None:
@@ -218,6 +218,10 @@ class WorkerPool:
             self.cond.notify_all()
             return w
 
+    def all_connected(self) -> bool:
+        with self.cond:
+            return all(w.conn for w in self.workers)
+
     def on_reply(self, w, header: dict, payload: bytes) -> None:
         with self.cond:
             w.busy.discard(header.get("id"))
@@ -245,6 +249,10 @@ class WorkerPool:
         with self.cond:
             self.dropped_frames += 1
             self.cond.notify_all()
+
+    def on_dropped_connection(self) -> None:
+        with self.cond:
+            self.dropped_connections += 1
 
     def on_reader_failed(self, exc: BaseException) -> None:
         with self.cond:

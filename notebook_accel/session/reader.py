@@ -8,6 +8,7 @@ import selectors
 import socket
 import sys
 import threading
+import time
 import traceback
 
 from ..launch.channel import recv_ready
@@ -15,13 +16,16 @@ from ..launch.control import Wakeup
 from . import protocol
 
 MAX_UNBOUND = 64  # connections that have not said hello yet; more are refused
+HELLO_WAIT_S = 5.0  # a worker says hello as soon as it connects; a silent connection is a stranger
 
 
 class _Conn:
-    def __init__(self, sock: socket.socket, key: bytes):
+    def __init__(self, sock: socket.socket, key: bytes, deadline: float):
         self.sock = sock
         self.frames = protocol.FrameReader(key, protocol.TO_PARENT, limit=protocol.HELLO_LIMIT)
         self.rank = None  # the worker's _Rank once it said hello
+        self.deadline = deadline  # for its whole hello frame
+        self.closed = False
 
 
 class Reader(threading.Thread):
@@ -30,9 +34,11 @@ class Reader(threading.Thread):
         self.pool = pool
         self.key = key
         self.sel = selectors.DefaultSelector()
-        self.unbound = 0
+        self.listener: socket.socket | None = listener  # closed once every worker said hello
+        self.unbound: set = set()  # connections that have not said hello yet
         self.running = True
         self._wakeup = Wakeup()
+        listener.setblocking(False)
         self.sel.register(listener, selectors.EVENT_READ, ("listen", None))
         self.sel.register(self._wakeup.fileno(), selectors.EVENT_READ, ("wake", None))
         self.polled = []  # ranks with no exit fd: their exit is found by polling
@@ -51,10 +57,10 @@ class Reader(threading.Thread):
     def run(self) -> None:
         try:
             while self.running:
-                for key, _ in self.sel.select(0.2 if self.polled else None):
+                for key, _ in self.sel.select(self._timeout()):
                     kind, item = key.data
                     if kind == "listen":
-                        self._accept(key.fileobj)
+                        self._accept()
                     elif kind == "wake":
                         self._wakeup.drain()
                     elif kind == "chan":
@@ -64,6 +70,7 @@ class Reader(threading.Thread):
                         self._exited(item)
                     else:
                         self._read_output(item, kind, key.fileobj)
+                self._drop_silent(time.monotonic())
                 for r in [r for r in self.polled if self.pool.poll_exit(r)]:
                     self.polled.remove(r)
                     self._exited(r)
@@ -71,23 +78,61 @@ class Reader(threading.Thread):
             traceback.print_exc(file=sys.__stderr__)
             self.pool.on_reader_failed(exc)
         finally:
+            self.close_listener()
             self.sel.close()
             self._wakeup.close()
 
+    def _timeout(self):
+        waits = [0.2] if self.polled else []
+        if self.unbound:
+            waits.append(max(0.0, min(c.deadline for c in self.unbound) - time.monotonic()))
+        return min(waits) if waits else None
+
     # -- channel --------------------------------------------------------------------------------
-    def _accept(self, listener: socket.socket) -> None:
-        try:
-            sock, _ = listener.accept()
-        except OSError:
-            return
-        if self.unbound >= MAX_UNBOUND:
-            sock.close()
-            return
-        self.unbound += 1
-        protocol.no_delay(sock)
-        self.sel.register(sock, selectors.EVENT_READ, ("chan", _Conn(sock, self.key)))
+    def close_listener(self) -> None:
+        """Nothing needs to connect once every worker said hello: stop listening."""
+        if self.listener is not None:
+            self._unregister(self.listener)
+            self.listener.close()
+            self.listener = None
+
+    def _accept(self) -> None:
+        while self.listener is not None:  # every pending connection, then back to the selector
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:  # none left (BlockingIOError), or one that was gone before we took it
+                return
+            if len(self.unbound) >= MAX_UNBOUND:
+                sock.close()
+                self.pool.on_dropped_connection()
+                continue
+            try:
+                sock.setblocking(True)  # the pool sends on it from the caller's thread
+                protocol.no_delay(sock)
+            except OSError:
+                sock.close()
+                continue
+            conn = _Conn(sock, self.key, time.monotonic() + HELLO_WAIT_S)
+            self.unbound.add(conn)
+            self.sel.register(sock, selectors.EVENT_READ, ("chan", conn))
+
+    def _drop_silent(self, now: float) -> None:
+        for conn in [c for c in self.unbound if c.deadline <= now]:
+            self._close(conn)
+            self.pool.on_dropped_connection()
 
     def _read_channel(self, conn: _Conn) -> None:
+        try:
+            self._read_frames(conn)
+        except Exception:
+            # One connection's bytes never end the reader: that connection goes, the rest go on.
+            if conn.rank is not None:  # a signed frame we fail on is our bug: say so
+                traceback.print_exc(file=sys.__stderr__)
+            if not conn.closed:
+                self._close(conn)
+            self.pool.on_dropped_connection()
+
+    def _read_frames(self, conn: _Conn) -> None:
         try:
             data = conn.sock.recv(1 << 20)
         except OSError:
@@ -108,16 +153,18 @@ class Reader(threading.Thread):
                     self.pool.on_bad_frame()
                     self._close(conn)
                     return
-                self.unbound -= 1
+                self.unbound.discard(conn)
                 conn.frames.limit = None
+                if self.pool.all_connected():
+                    self.close_listener()
             elif header["type"] == "done":
                 # Output written before the reply is already in the socket buffers: deliver it first.
                 self._drain_output(conn.rank)
                 self.pool.on_reply(conn.rank, header, payload)
 
     def _close(self, conn: _Conn) -> None:
-        if conn.rank is None:
-            self.unbound -= 1
+        conn.closed = True
+        self.unbound.discard(conn)
         self._unregister(conn.sock)
         conn.sock.close()
 

@@ -38,6 +38,8 @@ _FORKSERVER_PRELOAD = (
     "notebook_accel.launch.child",
 )
 GO, STOP = b"g", b"s"
+STREAMS = ("stdout", "stderr", "ctrl")
+MAX_HEADER_LINE = 256  # a worker's first line, "{local_rank} {attempt} {stream} {rank}\n", fits easily
 
 
 def run(plan, payload, sink, control) -> list:
@@ -286,18 +288,26 @@ class _Hub:
             return
         if conn.key is None:
             conn.head += data
-            if b"\n" not in conn.head:
-                if not data:
+            end = conn.head.find(b"\n", 0, MAX_HEADER_LINE)
+            if end < 0:
+                if not data or len(conn.head) >= MAX_HEADER_LINE:
                     self._close(conn)
                 return
-            line, _, data = conn.head.partition(b"\n")
-            local_rank, attempt, stream, rank = line.decode().split()
-            conn.key = (int(local_rank), int(attempt), stream)
-            conn.channel = self.channels.setdefault(conn.key[:2], RankChannel(int(rank)))
+            header, data = self._header(conn.head[:end]), conn.head[end + 1 :]
+            if header is None:  # not one of our workers: drop it, the launch goes on
+                self._close(conn)
+                return
+            local_rank, attempt, stream, rank = header
+            conn.key = (local_rank, attempt, stream)
+            conn.channel = self.channels.setdefault(conn.key[:2], RankChannel(rank))
             if stream == "ctrl":
-                conn.sock.setblocking(True)
-                conn.sock.sendall(STOP if self.stopping else GO)
-                conn.sock.setblocking(False)
+                try:
+                    conn.sock.setblocking(True)
+                    conn.sock.sendall(STOP if self.stopping else GO)
+                    conn.sock.setblocking(False)
+                except OSError:
+                    self._close(conn)
+                    return
             if not data:
                 return  # only the header so far
         self._deliver(conn, conn.channel.feed(conn.key[2], data))
@@ -315,6 +325,19 @@ class _Hub:
             self._finished(local_rank, attempt, chan)
         if stream not in chan.open:
             self._close(conn)
+
+    def _header(self, line: bytes):
+        """(local_rank, attempt, stream, rank) from a worker's first line; None if it is not one."""
+        fields = line.split(b" ")
+        if len(fields) != 4:
+            return None
+        numbers, stream = (fields[0], fields[1], fields[3]), fields[2].decode("ascii", "replace")
+        if stream not in STREAMS or not all(f.isdigit() for f in numbers):  # bytes: ASCII digits only
+            return None
+        local_rank, attempt, rank = (int(f) for f in numbers)
+        if local_rank >= self.plan.num_processes or rank >= self.plan.world_size:
+            return None
+        return local_rank, attempt, stream, rank
 
     def _finished(self, local_rank: int, attempt: int, chan: RankChannel) -> None:
         kind = chan.outcome

@@ -66,6 +66,12 @@ class Session:
         return self._pool.port if self._pool is not None else None
 
     @property
+    def dropped_connections(self) -> int:
+        """Connections to the channel dropped since the last start: silent ones, over the cap of
+        unknown peers, and ones whose bytes could not be read."""
+        return self._pool.dropped_connections if self._pool is not None else 0
+
+    @property
     def dropped_frames(self) -> int:
         """Frames dropped for a bad signature since the last start."""
         return self._pool.dropped_frames if self._pool is not None else 0

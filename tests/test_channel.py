@@ -67,16 +67,23 @@ def test_an_error_outcome_wins_and_keeps_its_report():
 
 
 def test_the_frame_format_is_parsed_in_one_module_only():
+    # Binary framing (struct) lives in launch/channel.py; session/protocol.py is the signed channel
+    # between the kernel and its workers, a different format on purpose.
     package = os.path.join(os.path.dirname(ev.__file__), "..")
-    readers = []
+    framers = []
     for folder, _, files in os.walk(package):
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
                 text = open(path).read()
-                if 'Struct("!Q")' in text or "_HEADER.unpack" in text or "_CTRL.unpack" in text:
-                    readers.append(os.path.relpath(path, package))
-    assert readers == [os.path.join("launch", "channel.py")]
+                if (
+                    "struct." in text
+                    or "import struct" in text
+                    or ".unpack(" in text
+                    or "unpack_from(" in text
+                ):
+                    framers.append(os.path.relpath(path, package))
+    assert sorted(framers) == [os.path.join("launch", "channel.py"), os.path.join("session", "protocol.py")]
 
 
 def _python(code: str, **env) -> str:
@@ -132,6 +139,7 @@ import json, os, resource, sys
 import torch
 from notebook_accel.launch import notebook_launcher
 from launch_targets import tensors_to_return
+import notebook_accel.state, torch.distributed  # what a launch imports in the parent: not the result
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -172,4 +180,4 @@ def test_a_large_result_arrives_whole_without_copies(start_method):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert all(report["checks"]), report["checks"]
-    assert report["peak_added"] < 1.5 * report["result_bytes"], report
+    assert report["peak_added"] < 1.2 * report["result_bytes"], report

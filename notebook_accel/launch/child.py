@@ -1,8 +1,8 @@
 """What runs inside each rank process: take over fds 1 and 2, run the function, report back.
 
 A rank receives three connected sockets: `out` and `err` become fds 1 and 2 (so C-level output
-is caught too), `ctrl` carries the frames of channel.py: ("started", pid), ("result", bytes) or
-("error", dict).
+is caught too), `ctrl` carries the frames of channel.py: ("started", pid), ("result", body, sizes)
+followed by the result's out-of-band buffers, or ("error", dict).
 """
 
 from __future__ import annotations

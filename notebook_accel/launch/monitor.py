@@ -38,6 +38,7 @@ class Monitor:
         self.failures: list = []
         self.stop_sent_at: Optional[float] = None
         self.killed = False
+        self.server_lost = False
         for r in self.ranks:
             for sock, kind in ((r.proc.out, "stdout"), (r.proc.err, "stderr"), (r.proc.ctrl, "ctrl")):
                 sock.setblocking(False)
@@ -80,13 +81,14 @@ class Monitor:
             if kind == "control":
                 self.control.drain()
             elif kind == "warm":
-                if not self.warm.pump():
-                    self._server_lost()
+                self.warm.pump()  # its end shows as warm.lost, handled below
             elif kind == "exit":
                 self.sel.unregister(key.fileobj)
                 r.proc.poll()
             else:
                 self._read(r, key.fileobj, kind)
+        if self.warm is not None and self.warm.lost and not self.server_lost:
+            self._server_lost()  # shut down by another thread, or its end seen by another reader
         now = time.monotonic()
         if self.control is not None and not self.stopped and self.control.check(now):
             self.stopped = self.control.reason
@@ -117,7 +119,6 @@ class Monitor:
         if r.channel.open and now - r.exited_at < DRAIN_GRACE_S:
             return
         r.done = True
-        r.proc.end_group()
         for sock in (r.proc.out, r.proc.err, r.proc.ctrl):
             try:
                 self.sel.unregister(sock)
@@ -151,7 +152,11 @@ class Monitor:
     def _server_lost(self) -> None:
         """The forkserver's socket ended: its ranks died with it (they die with their parent), and
         their exit codes will never come. Fail every rank still running, naming the cause."""
-        self.sel.unregister(self.warm.sock)
+        self.server_lost = True
+        try:
+            self.sel.unregister(self.warm.sock)
+        except (KeyError, ValueError):
+            pass
         for r in self.ranks:
             if r.done:
                 continue

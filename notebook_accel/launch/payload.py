@@ -70,6 +70,7 @@ class _ResultPickler(_Pickler):
     def __init__(self, file, buffers: list):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self._storages: dict = {}  # (address, size) -> _StorageBytes, so each storage goes once
+        self._copies: dict = {}  # (device, address, size) -> the CPU copy of a device storage
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
@@ -80,12 +81,11 @@ class _ResultPickler(_Pickler):
         return super().reducer_override(obj)
 
     def _tensor(self, torch, tensor):
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
+        if tensor.device.type == "meta":
             return None
-        t = tensor.detach()
-        t = t.to("cpu") if t.device.type != "cpu" else t
-        if t.is_conj() or t.is_neg():
-            return None
+        t = self._on_cpu(torch, tensor.detach()).resolve_conj().resolve_neg()
+        if t.layout != torch.strided or t.is_quantized:
+            return t.__reduce_ex__(self.proto)  # torch's own way, but of the CPU copy
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         if key not in self._storages:
@@ -102,6 +102,16 @@ class _ResultPickler(_Pickler):
             parameter,
         )
         return (_tensor_from, args)
+
+    def _on_cpu(self, torch, t):
+        """`t` on the CPU; tensors that shared a device storage share one CPU copy of it."""
+        if t.device.type == "cpu" or t.layout != torch.strided or t.is_quantized:
+            return t.cpu()
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr(), storage.nbytes())
+        if key not in self._copies:
+            self._copies[key] = storage.cpu()
+        return torch.empty(0, dtype=t.dtype).set_(self._copies[key], t.storage_offset(), t.shape, t.stride())
 
 
 class _StorageBytes:

@@ -40,19 +40,22 @@ class RankProcess:
                 self.exit_fd = None
 
     def poll(self) -> Optional[int]:
-        """Exit code (negative: killed by that signal), or None while running."""
+        """Exit code (negative: killed by that signal), or None while running. A rank that has
+        ended takes what is left of its process group along before it is reaped (end_group)."""
         if self.exitcode is not None:
             return self.exitcode
-        if self._exit_status is not None:
+        if self._exit_status is not None:  # the forkserver reaps it, and ends its group first
             self.exitcode = self._exit_status(self.pid)
             return self.exitcode
         try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return None
+            end_group(self.pid)
+            _, status = os.waitpid(self.pid, 0)
         except ChildProcessError:
-            self.exitcode = -signal.SIGKILL if self.exitcode is None else self.exitcode
+            self.exitcode = -signal.SIGKILL
             return self.exitcode
-        if pid:
-            self.exitcode = os.waitstatus_to_exitcode(status)
+        self.exitcode = os.waitstatus_to_exitcode(status)
         return self.exitcode
 
     def exited(self) -> bool:
@@ -61,16 +64,6 @@ class RankProcess:
         if self.poll() is not None:
             return True
         return self.exit_fd is not None and bool(select.select([self.exit_fd], [], [], 0)[0])
-
-    def end_group(self) -> None:
-        """SIGKILL what is left of the rank's process group once the rank has ended: processes it
-        started (DataLoader workers, a subprocess) die with it. One that left the group on purpose
-        (setsid, a daemon) is its own. Safe after reaping: Linux keeps a group's id from being
-        reused as a pid while the group has members."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is not None:
@@ -99,6 +92,17 @@ def _channels():
     return tuple(p for p, _ in pairs), tuple(c for _, c in pairs)
 
 
+def end_group(pid: int) -> None:
+    """SIGKILL what is left of an ended rank's process group: processes it started (DataLoader
+    workers, a subprocess) end with it; one that left the group on purpose (setsid) is its own.
+    Call it while the rank is a zombie, not yet reaped: its pid, and so the group's id, cannot be
+    reused by another process until then."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class _LastingThread:
     """One thread that lives as long as the process, to fork and spawn ranks on. A rank's
     PR_SET_PDEATHSIG fires when the *thread* that forked it ends, not the process: ranks forked
@@ -123,6 +127,12 @@ class _LastingThread:
         return box["value"]
 
     @classmethod
+    def _forget(cls) -> None:
+        # A forked child has no such thread: its first call from a thread starts its own.
+        cls._lock = threading.Lock()
+        cls._jobs = None
+
+    @classmethod
     def _serve(cls) -> None:
         while True:
             fn, args, box, done = cls._jobs.get()
@@ -133,15 +143,27 @@ class _LastingThread:
             done.set()
 
 
+os.register_at_fork(after_in_child=_LastingThread._forget)
+
+
 def start_fork(local_rank: int, rank: int, env: dict, threads: int, function, args) -> RankProcess:
     parents, children = _channels()
     sys.stdout.flush()
     sys.stderr.flush()
     # The child goes on in the thread that forked: the whole rank runs inside _fork_rank.
-    pid = _LastingThread.call(_fork_rank, parents, children, rank, env, threads, function, args)
-    for sock in children:
-        sock.close()
+    try:
+        pid = _LastingThread.call(_fork_rank, parents, children, rank, env, threads, function, args)
+    except BaseException:
+        _close_all(parents)
+        raise
+    finally:
+        _close_all(children)
     return RankProcess(local_rank, pid, parents)
+
+
+def _close_all(socks) -> None:
+    for sock in socks:
+        sock.close()
 
 
 def _fork_rank(parents, children, rank: int, env: dict, threads: int, function, args) -> int:
@@ -206,10 +228,17 @@ def start_spawn(local_rank: int, rank: int, env: dict, threads: int, payload: by
         start_new_session=True,
         env=child_env,
     )
-    proc = _LastingThread.call(popen)
-    for sock in children:
-        sock.close()
+    try:
+        proc = _LastingThread.call(popen)
+    except BaseException:
+        _close_all(parents)
+        raise
+    finally:
+        _close_all(children)
     handle = RankProcess(local_rank, proc.pid, parents)
     proc.returncode = 0  # we reap it ourselves; stop Popen's destructor from warning
-    send_frame(handle.ctrl, (rank, env, threads, payload))
+    try:
+        send_frame(handle.ctrl, (rank, env, threads, payload))
+    except OSError:  # it died before reading its spec: the monitor reports its exit as it is
+        pass
     return handle

@@ -21,7 +21,9 @@ from typing import Optional
 
 from . import child
 from .channel import recv_frame, recv_frame_with_fds, send_frame, send_frame_with_fds
+from .procs import end_group
 
+SERVER_START_S = 120.0  # importing torch there takes about 2 s; past this it is stuck, not slow
 SERVER_CODE = "from notebook_accel.launch.warm import serve; serve()"
 # torch._dynamo: DistributedDataParallel imports it at construction, about 1 s per rank otherwise.
 PRELOAD = (
@@ -72,10 +74,12 @@ def serve() -> None:
                 children.add(pid)
                 send_frame(sock, ("pid", request["token"], request["local_rank"], pid))
         for pid in list(children):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                children.discard(pid)
-                send_frame(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                continue
+            end_group(pid)  # before reaping, while the pid cannot be reused
+            _, status = os.waitpid(pid, 0)
+            children.discard(pid)
+            send_frame(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
 
 
 def _recv_request(sock: socket.socket):
@@ -152,11 +156,17 @@ class WarmServer:
 
     def _ready(self) -> int:
         self._ready_pid = None
+        deadline = time.monotonic() + SERVER_START_S
         while self._ready_pid is None:
             with self._io:
                 self._read_one(1.0)
             if self.lost:
                 raise ForkserverLost(f"notebook_accel's forkserver failed to start: {self.lost}")
+            if time.monotonic() > deadline:
+                raise ForkserverLost(
+                    f"notebook_accel's forkserver did not start within {SERVER_START_S:g} s (importing torch "
+                    "there hung?); use start_method='spawn' or 'fork'"
+                )
         return self._ready_pid
 
     @classmethod
@@ -177,6 +187,8 @@ class WarmServer:
                 cls._instance = None
 
     def close(self) -> None:
+        with self._io:  # whoever still holds this server sees it gone, not a closed socket
+            self.lost = self.lost or "the forkserver was shut down; its ranks are gone with it"
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=5)
@@ -193,7 +205,9 @@ class WarmServer:
 
         wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
         if not self._starting.acquire(timeout=wait):
-            _check(deadline, "waiting for another launch to start its ranks")
+            from .errors import LaunchTimeoutError
+
+            raise LaunchTimeoutError("while waiting for another launch to start its ranks")
         try:
             token = next(self._tokens)
             parents_by_rank = {}

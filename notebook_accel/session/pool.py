@@ -99,8 +99,6 @@ class WorkerPool:
         for w in self.workers:
             self.signal(w, signal.SIGKILL)
         reap(self.workers, self.warm, 5.0, self.cond)
-        for w in self.workers:
-            w.proc.end_group()
         if self.reader is not None:
             self.reader.stop()
             self.reader.join(5.0)
@@ -234,7 +232,6 @@ class WorkerPool:
         with self.cond:
             w.exitcode = w.proc.poll()
             w.dead = True
-            w.proc.end_group()
             w.busy.clear()
             for req in self.pending.values():
                 if w.rank in req.ranks and w.rank not in req.replies:

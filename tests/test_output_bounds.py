@@ -47,7 +47,9 @@ def test_a_launch_without_newlines_stays_bounded_in_the_panel_and_the_comm(fake_
         assert len(text) <= VIEW_BYTES + 2 * SHOWN_LINE, (view, len(text))
         lines = text.splitlines()
         assert lines and all(len(line) <= SHOWN_LINE + 40 for line in lines)
-        assert all(CUT.search(line) for line in lines)
+        # every line is cut with its note, but a stream's last piece may be short (and whole)
+        assert all(CUT.search(line) or len(line) <= SHOWN_LINE + 12 for line in lines)
+        assert sum(bool(CUT.search(line)) for line in lines) >= len(lines) - 2
     first = panel.text(0).splitlines()[0]
     assert first.startswith("x" * SHOWN_LINE + " … ")
     assert int(CUT.search(first).group(1).replace(",", "")) >= (1 << 18) - SHOWN_LINE
@@ -59,7 +61,8 @@ def test_a_launch_without_newlines_stays_bounded_in_the_panel_and_the_comm(fake_
     assert batches
     assert all(len(m) <= 20 * (SHOWN_LINE + 100) for m in batches)
     sent = [line for m in batches for line in json.loads(m)["lines"]]
-    assert sent and all(CUT.search(text) for _, text, _ in sent)
+    assert sent and all(CUT.search(text) or len(text) <= SHOWN_LINE for _, text, _ in sent)
+    assert sum(bool(CUT.search(text)) for _, text, _ in sent) >= len(sent) - 2
     assert sum(map(len, fake_comm.messages)) < (2 * MB << 20) // 20
 
 

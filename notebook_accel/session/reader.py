@@ -91,10 +91,18 @@ class Reader(threading.Thread):
     # -- channel --------------------------------------------------------------------------------
     def close_listener(self) -> None:
         """Nothing needs to connect once every worker said hello: stop listening."""
-        if self.listener is not None:
-            self._unregister(self.listener)
-            self.listener.close()
-            self.listener = None
+        if self.listener is None:
+            return
+        while True:  # whoever still waits in the backlog is nobody we started: drop and count them
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                break
+            sock.close()
+            self.pool.on_dropped_connection()
+        self._unregister(self.listener)
+        self.listener.close()
+        self.listener = None
 
     def _accept(self) -> None:
         while self.listener is not None:  # every pending connection, then back to the selector

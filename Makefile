@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test browser lab bench lint layers clean labextension labextension-dev test-extension
+.PHONY: demo test browser lab bench lint layers conformance clean labextension labextension-dev test-extension
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,6 +17,11 @@ demo: $(STAMP)
 
 test: $(STAMP) browser labextension-dev test-extension layers
 	$(BIN)/python -m pytest -q tests
+
+# accelerate 1.15.0's own distributed test scripts, from its downloaded wheel, run unchanged against
+# notebook_accel on 2 and 4 ranks (tests/conformance/). tests/test_conformance.py runs the same in `make test`.
+conformance: $(STAMP)
+	$(BIN)/python tests/conformance/run.py
 
 # The layer map of ARCHITECTURE.md, as import-linter contracts in pyproject.toml.
 layers: $(STAMP)

@@ -315,6 +315,10 @@ class Accelerator:
         else:
             yield
 
+    def trigger_sync_in_backward(self, model):
+        """A context: the next backward inside it reduces gradients, even after forwards under no_sync."""
+        return model_wrapping.sync_in_next_backward(model)
+
     @contextlib.contextmanager
     def autocast(self, autocast_handler: Optional[AutocastKwargs] = None):
         with precision.autocast_context(

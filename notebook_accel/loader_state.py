@@ -6,7 +6,6 @@ its `state_dict` docstring is the contract of a saved loader position.
 
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import torch
@@ -48,10 +47,35 @@ def _advance(iterator, count: int) -> int:
     return dropped
 
 
-def _peeked(iterator):
-    # Pulling the first item runs the sampler's random draws now, inside the RNG window.
-    first = next(iterator, _END)
-    return iter(()) if first is _END else itertools.chain((first,), iterator)
+class _PreparedStream:
+    """This epoch's sampler stream, past `skip` indices, started only when first pulled.
+
+    torch's loader iterator draws its base seed from the loader's generator before the sampler's
+    first draw; a stream that waits for its first pull keeps that order, so a prepared loader
+    shuffles exactly as the plain DataLoader it came from. `prime()` makes the first pull happen
+    now (inside the loader's RNG window) if the iterator has not pulled already.
+    """
+
+    def __init__(self, stream, skip: int) -> None:
+        self._stream, self._skip = stream, skip
+        self._head: list = []
+        self.skipped = None
+
+    def prime(self) -> None:
+        if self.skipped is None:
+            self.skipped = _advance(self._stream, self._skip)
+            first = next(self._stream, _END)
+            if first is not _END:
+                self._head.append(first)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.prime()
+        if self._head:
+            return self._head.pop()
+        return next(self._stream)
 
 
 def _sampler_chain(loader) -> list:
@@ -218,13 +242,14 @@ class DataLoaderStateMixin:
                 self._apply_generators(self._epoch_rng)
                 torch.set_rng_state(self._epoch_rng["torch"])
             if self._index_source is not None:
-                stream = iter(self._index_source.base)
-                skipped = _advance(stream, skip)
-                self._index_source.stream = _peeked(stream)
+                stream = _PreparedStream(iter(self._index_source.base), skip)
+                self._index_source.stream = stream
                 try:
                     iterator = DataLoader.__iter__(self)
                 finally:
                     self._index_source.stream = None
+                stream.prime()
+                skipped = stream.skipped
             else:
                 iterator = DataLoader.__iter__(self)
                 skipped = None

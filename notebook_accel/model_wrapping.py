@@ -6,6 +6,8 @@ here; Accelerator.unwrap_model and get_state_dict undo the wrappers with `unwrap
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import precision
@@ -70,3 +72,23 @@ def unwrap_model(model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool
     if keep_torch_compile and compiled is not None and inner is compiled:
         return model
     return inner
+
+
+@contextlib.contextmanager
+def sync_in_next_backward(model):
+    """Make the next backward of a DDP model all-reduce gradients even inside `no_sync`.
+
+    After several forwards under `no_sync`, DDP's reducer expects no reduction; flipping its two sync
+    flags and preparing the reducer with no unused outputs makes the coming backward reduce.
+    Outside DDP (one process, or a model not wrapped) this does nothing.
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        yield
+        return
+    saved = model.require_backward_grad_sync, model.require_forward_param_sync
+    model.require_backward_grad_sync = model.require_forward_param_sync = True
+    model.reducer.prepare_for_backward([])
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync, model.require_forward_param_sync = saved

@@ -6,8 +6,8 @@ from typing import Any
 
 from .state import GradientState, PartialState
 
-# state_dict key for batches counted during accumulation but not yet applied (present only when > 0).
-_PENDING_KEY = "_notebook_accel_pending_batches"
+# Earlier versions saved batches counted during accumulation under this key; loading ignores it.
+_OLD_PENDING_KEY = "_notebook_accel_pending_batches"
 
 
 def _metric_driven(scheduler: Any) -> bool:
@@ -26,13 +26,14 @@ def _finished(scheduler: Any) -> bool:
 class AcceleratedScheduler:
     """Wraps `scheduler` so that the schedule counts the samples the optimizer really trained on.
 
-    With `step_with_optimizer` (the default), `step()`:
-    - does nothing while gradients are accumulating (not synced this step); with the gradient
-      accumulation plugin's `adjust_scheduler` (its default) the batch is remembered and applied at
-      the next real step, so a schedule sized in batches needs no division by the accumulation steps;
-    - does nothing after an optimizer step skipped for fp16 overflow (that group's batches too);
-    - otherwise steps once per batch with `split_batches`, or `num_processes` times per batch
-      without it (each process saw its own batch), stopping quietly at a fixed-length schedule's end.
+    With `step_with_optimizer` (the default), `step()`, as accelerate's does:
+    - does nothing to the schedule while gradients are accumulating (not synced this step); with the
+      gradient accumulation plugin's `adjust_scheduler` (its default) it only counts the call in
+      torch's `_step_count`, so torch does not warn that the scheduler ran before the optimizer;
+    - does nothing after an optimizer step skipped for fp16 overflow;
+    - otherwise steps once with `split_batches`, or `num_processes` times without it (each process
+      saw its own batch), stopping quietly at a fixed-length schedule's end.
+    So a schedule is sized in optimizer steps times processes, whatever the accumulation.
     A metric-driven scheduler (ReduceLROnPlateau) steps exactly once per call.
     """
 
@@ -41,7 +42,6 @@ class AcceleratedScheduler:
         self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         self.step_with_optimizer = step_with_optimizer
         self.split_batches = split_batches
-        self._pending_batches = 0
 
     @property
     def gradient_state(self) -> GradientState:
@@ -53,14 +53,12 @@ class AcceleratedScheduler:
             return
         gradient_state = GradientState()
         if not gradient_state.sync_gradients:
-            if gradient_state.adjust_scheduler:
-                self._pending_batches += 1
+            if gradient_state.adjust_scheduler and hasattr(self.scheduler, "_step_count"):
+                self.scheduler._step_count += 1
             return
-        batches, self._pending_batches = self._pending_batches + 1, 0
         if any(getattr(opt, "step_was_skipped", False) for opt in self.optimizers):
             return
-        steps = batches if self.split_batches else batches * PartialState().num_processes
-        for _ in range(steps):
+        for _ in range(1 if self.split_batches else PartialState().num_processes):
             if _finished(self.scheduler):
                 break
             self.scheduler.step(*args, **kwargs)
@@ -76,15 +74,11 @@ class AcceleratedScheduler:
         return self.scheduler.print_lr(*args, **kwargs)
 
     def state_dict(self) -> dict:
-        state = self.scheduler.state_dict()
-        if self._pending_batches:
-            # Mid-accumulation checkpoint: keep the count, so a resume steps exactly as the original.
-            state = {**state, _PENDING_KEY: self._pending_batches}
-        return state
+        return self.scheduler.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         state = dict(state_dict)
-        self._pending_batches = int(state.pop(_PENDING_KEY, 0))
+        state.pop(_OLD_PENDING_KEY, None)  # checkpoints of earlier builds: ignored
         self.scheduler.load_state_dict(state)
 
     def __getattr__(self, name: str):

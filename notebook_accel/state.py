@@ -396,13 +396,20 @@ class AcceleratorState(_Borg):
 
     def __getattr__(self, name: str):
         # Only reached for names not set on the shared dict: delegate the PartialState surface.
+        if not self.__dict__ and not name.startswith("__"):
+            # Never created, or cleared under an existing Accelerator (which then must not go on).
+            raise AttributeError(
+                f"`AcceleratorState` object has no attribute `{name}` yet. This happens if "
+                "`AcceleratorState._reset_state()` was called after it was created, or before any "
+                "AcceleratorState() or Accelerator() was: create a new Accelerator() and use that."
+            )
         if name in AcceleratorState._partial_attrs:
-            if not self.__dict__:
-                raise AttributeError(
-                    f"AcceleratorState has no {name!r} yet: create AcceleratorState() or Accelerator() first."
-                )
             return getattr(self._partial, name)
         raise AttributeError(f"'AcceleratorState' object has no attribute {name!r}")
+
+    def destroy_process_group(self, group=None) -> None:
+        # Works after _reset_state too (scripts end with it): the process group is PartialState's.
+        PartialState().destroy_process_group(group)
 
     def __repr__(self) -> str:
         return repr(self._partial) + f"Mixed precision type: {self._mixed_precision}\n"

@@ -49,3 +49,20 @@ if __name__ == "__main__":
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="test-two-nodes",
     )  # fmt: skip
     print("RESULTS " + json.dumps(results), flush=True)
+
+
+def take_the_token(queue, lock):
+    """The rank that takes the token from an inherited fork-context queue fails; the restarted group
+    finds the queue empty. `lock` (a threading.Lock, unpicklable) proves the arguments were inherited."""
+    import queue as queue_module
+
+    with lock:
+        try:
+            token = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            token = None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    print(f"attempt {attempt} token {token}")
+    if token is not None:
+        raise RuntimeError(f"rank {os.environ['RANK']} took the token on attempt {attempt}")
+    return int(os.environ["RANK"]), attempt

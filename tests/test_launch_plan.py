@@ -232,12 +232,17 @@ def test_fork_after_cuda_initialisation_is_refused_before_any_process_starts(mon
 
 def test_after_cuda_initialisation_one_process_still_runs_here(monkeypatch):
     """A single-GPU notebook that already used CUDA: notebook_launcher(fn) runs fn in this process
-    (nothing forks), as accelerate does; so does an elastic launch, whose ranks come from a fresh forkserver."""
+    (nothing forks), as accelerate does; an elastic launch still runs, its ranks from a fresh forkserver."""
     from notebook_accel import notebook_launcher
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert make_plan(num_processes=1, use_port="auto", start_method="fork").num_processes == 1
-    assert make_plan(num_processes=2, use_port="auto", max_restarts=1).engine == "elastic"
+    elastic = make_plan(num_processes=2, use_port="auto", max_restarts=1)
+    assert (elastic.engine, elastic.start_method) == ("elastic", "forkserver")
+    assert any("fresh forkserver" in note for note in elastic.notes)
+    assert make_plan(num_processes=2, use_port="auto", max_restarts=1, start_method="spawn").start_method == "spawn"
+    with pytest.raises(LaunchConfigError, match="CUDA is already initialised"):
+        make_plan(num_processes=2, use_port="auto", start_method="fork")
     assert notebook_launcher(os.getpid, num_processes=1) == [os.getpid()]
 
 

@@ -7,7 +7,7 @@ import sys
 
 import psutil
 import pytest
-from elastic_targets import always_fail, fail_once, ranks_and_sum
+from elastic_targets import always_fail, fail_once, ranks_and_sum, take_the_token
 
 from notebook_accel import notebook_launcher
 from notebook_accel.launch import LaunchFailedError, ListSink, RankOutput
@@ -93,6 +93,39 @@ def test_restart_after_a_failure_returns_the_second_attempt(tmp_path, no_new_chi
     )
     assert (tmp_path / "failed-once").exists()
     assert results == [(0, 1), (1, 1)]
+
+
+@pytest.mark.timeout(90)
+def test_fork_restarts_inherit_what_cannot_be_pickled(no_new_children):
+    # accelerate's test_notebook passes a fork-context Queue with max_restarts: with the default
+    # start_method="fork", every attempt inherits the arguments; output and results still arrive.
+    import multiprocessing
+    import threading
+
+    queue = multiprocessing.get_context("fork").Queue()
+    queue.put(1)
+    sink = ListSink()
+    results = notebook_launcher(
+        take_the_token, (queue, threading.Lock()), num_processes=2, max_restarts=2, use_port="auto", sinks=[sink]
+    )
+    assert [rank for rank, _ in results] == [0, 1]
+    assert all(attempt >= 1 for _, attempt in results), results  # the first attempt failed
+    assert queue.empty()
+    final = [e.text for e in sink.events if isinstance(e, RankOutput) and e.text.endswith("token None")]
+    assert len(final) >= 2, final
+
+
+@pytest.mark.timeout(90)
+def test_a_spawn_restart_still_names_what_cannot_be_pickled(no_new_children):
+    import threading
+
+    from notebook_accel.launch import UnpicklableError
+
+    with pytest.raises(UnpicklableError, match=r"argument 1 \(lock: .*use start_method=.fork"):
+        notebook_launcher(
+            take_the_token, (None, threading.Lock()), num_processes=2, max_restarts=1, use_port="auto",
+            start_method="spawn", sinks=[],
+        )
 
 
 @pytest.mark.timeout(90)

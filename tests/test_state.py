@@ -173,7 +173,7 @@ def test_unknown_mixed_precision(monkeypatch):
 def test_accelerator_state_after_reset_explains():
     s = AcceleratorState()
     AcceleratorState._reset_state()
-    with pytest.raises(AttributeError, match="create AcceleratorState"):
+    with pytest.raises(AttributeError, match="create a new Accelerator"):
         _ = s.device
 
 

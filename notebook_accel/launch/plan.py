@@ -164,11 +164,19 @@ def make_plan(
             f"{devices}, or pass cpu=True to run {num_processes} CPU processes."
         )
 
-    # Only a local launch of several ranks forks this process: one rank runs here (as in accelerate),
-    # and the elastic engine forks from a fresh forkserver. A single-GPU notebook that already
-    # used CUDA must still be able to run notebook_launcher(fn).
+    # A local launch of one rank runs here (as in accelerate), so a single-GPU notebook that already
+    # used CUDA can still run notebook_launcher(fn); every other fork launch forks this process (the
+    # elastic engine forks its agent process from here, and the agent forks the ranks), except an
+    # elastic one after CUDA was used here, whose ranks then come from a fresh forkserver.
+    if start_method == "fork" and engine == "elastic" and _cuda_initialised():
+        start_method = "forkserver"
+        notes.append(
+            "notebook_accel: CUDA is already initialised in this process, so the elastic launch starts its "
+            "ranks from a fresh forkserver (start_method='forkserver'): the function and its arguments travel "
+            "pickled, not inherited."
+        )
     if start_method == "fork" and not (engine == "local" and num_processes == 1):
-        _check_fork_is_safe(cuda_matters=engine == "local")
+        _check_fork_is_safe()
     if engine == "elastic" and rdzv_backend == "static" and num_nodes > 1 and not master_addr:
         raise LaunchConfigError(
             "num_nodes > 1 with rdzv_backend='static' needs master_addr (the node-0 address)."
@@ -342,11 +350,15 @@ def _visible_devices(family, gpu_ids, devices: int):
     return _VISIBLE_ENV[family], ",".join(map(str, ids))
 
 
-def _check_fork_is_safe(cuda_matters: bool = True) -> None:
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")  # not imported: nothing can have initialised CUDA
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def _check_fork_is_safe() -> None:
     if sys.platform == "win32":
         raise LaunchConfigError("start_method='fork' is not available on Windows; use start_method='spawn'.")
-    torch = sys.modules.get("torch")
-    if cuda_matters and torch is not None and torch.cuda.is_initialized():
+    if _cuda_initialised():
         raise LaunchConfigError(
             "CUDA is already initialised in this process, and forked children cannot use it (CUDA is not "
             "fork-safe). Use start_method='spawn' (or 'forkserver'), or restart the kernel and keep CUDA "

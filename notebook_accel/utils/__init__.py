@@ -35,6 +35,7 @@ _EXPORTS = {
             "broadcast_object_list",
             "reduce",
             "pad_across_processes",
+            "copy_tensor_to_devices",
             "concatenate",
             "find_batch_size",
             "DistributedOperationException",

@@ -38,6 +38,9 @@ _PACKAGES = {
     "torchao": ("torchao",),
     "deepspeed": ("deepspeed",),
     "ccl": ("oneccl_bindings_for_pytorch", "torch_ccl"),
+    "datasets": ("datasets",),
+    "pytest": ("pytest",),
+    "bnb": ("bitsandbytes",),
 }
 
 
@@ -99,6 +102,18 @@ def is_bf16_available(ignore_tpu: bool = False) -> bool:
     if families.family("cuda").is_available():
         return all(d.supports_bf16 for d in current.accelerators())
     return True
+
+
+def is_fp16_available() -> bool:
+    """fp16 autocast runs on every device we support (on CPU too, through torch's CPU autocast)."""
+    return True
+
+
+def is_rocm_available() -> bool:
+    """A ROCm build of torch with an AMD GPU visible; never initialises the GPU runtime."""
+    import torch
+
+    return torch.version.hip is not None and families.family("cuda").is_available()
 
 
 def is_fp8_available() -> bool:

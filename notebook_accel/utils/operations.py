@@ -295,7 +295,8 @@ def _gather_one(tensor: torch.Tensor, state) -> torch.Tensor:
         tensor = tensor.clone()[None]
     if state.distributed_type == DistributedType.XLA:
         return _xla_all_gather(tensor)
-    tensor = tensor.contiguous()
+    # Gathering is not differentiable; torch 2.13's all_gather_single fails on inputs that need grad.
+    tensor = tensor.detach().contiguous()
     output = tensor.new_empty((state.num_processes * tensor.shape[0],) + tuple(tensor.shape[1:]))
     _all_gather_into(output, tensor)
     return output
@@ -329,6 +330,36 @@ def gather_object(object: Any):
     if is_sequence:
         return [item for items in per_rank for item in items]
     return per_rank
+
+
+def copy_tensor_to_devices(tensor=None) -> torch.Tensor:
+    """Give every rank a copy of the tensor that exactly one rank holds; the others pass None.
+
+    Unlike `broadcast`, the receiving ranks need not know its shape or dtype.
+    """
+    state = _active_state()
+    if state is None:
+        if tensor is None:
+            raise ValueError("copy_tensor_to_devices(None) in a single process: there is no tensor to copy.")
+        return tensor
+    if tensor is not None and not is_torch_tensor(tensor):
+        raise TypeError(f"copy_tensor_to_devices takes a tensor or None, not {type(tensor).__name__}.")
+    mine = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+    if state.distributed_type == DistributedType.XLA:
+        everyone = _xla_gather_object(mine)
+    else:
+        everyone = [None] * state.num_processes
+        torch.distributed.all_gather_object(everyone, mine)
+    owners = [rank for rank, info in enumerate(everyone) if info is not None]
+    if len(owners) != 1:
+        raise ValueError(
+            f"copy_tensor_to_devices needs the tensor on exactly one rank and None on the others; "
+            f"ranks {owners or 'none'} passed one."
+        )
+    shape, dtype = everyone[owners[0]]
+    if tensor is None:
+        tensor = torch.zeros(shape, dtype=dtype, device=state.device)
+    return broadcast(tensor, from_process=owners[0])
 
 
 def _check_source(from_process, num_processes: int) -> None:
@@ -414,6 +445,24 @@ def reduce(tensor, reduction: str = "mean", scale: float = 1.0):
     return recursively_apply(_reduce_one, tensor, error_on_other_type=True)
 
 
+def _verify_same_ndims(data, dim: int, state) -> None:
+    """Debug mode: padding needs tensors with the same number of dimensions on every rank."""
+    mine = _describe(data)
+    if state.distributed_type == DistributedType.XLA:
+        everyone = _xla_gather_object(mine)
+    else:
+        everyone = [None] * state.num_processes
+        torch.distributed.all_gather_object(everyone, mine)
+    ndims = [str(recursively_apply(lambda i: len(i.shape), d, test_type=is_tensor_information)) for d in everyone]
+    if len(set(ndims)) == 1:
+        return
+    listing = ", ".join(f"rank {i}: {_summary(d, with_dtype=False)}" for i, d in enumerate(everyone))
+    raise DistributedOperationException(
+        f"Cannot pad_across_processes(dim={dim}): every rank's tensors must have the same number of "
+        f"dimensions, got {listing}. Reshape them so only the size along dim {dim} differs."
+    )
+
+
 def pad_across_processes(tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
     """Pad each tensor along `dim` to the largest size any rank has, so it can be gathered.
 
@@ -421,6 +470,8 @@ def pad_across_processes(tensor, dim: int = 0, pad_index=0, pad_first: bool = Fa
     with fewer than `dim + 1` dimensions are returned as they are.
     """
     state = _active_state()
+    if state is not None and state.debug:
+        _verify_same_ndims(tensor, dim, state)
 
     def _pad_one(t: torch.Tensor) -> torch.Tensor:
         if state is None or getattr(t, "is_nested", False) or not -t.ndim <= dim < t.ndim:

@@ -5,7 +5,7 @@
 The script's source is executed as `__main__` in a namespace that wraps each test function as the
 script defines it (`test_*`, `check_*`, `*_check`), so a call made by the script's own `main()` is
 recorded as passed or failed. Calls a test makes to another (helpers such as
-`check_model_parameters`) are not counted. The report is REPORT_DIR/rank<RANK>.json.
+`check_model_parameters`) are not counted. CONFORMANCE_SKIP names checks not to run (see run.py). The report is REPORT_DIR/rank<RANK>.json.
 """
 
 import functools
@@ -23,10 +23,12 @@ def _is_test(name: str, value) -> bool:
 
 
 class _Recorder:
-    def __init__(self):
-        self.calls, self.depth = [], 0
+    def __init__(self, skip=()):
+        self.calls, self.depth, self.skip = [], 0, set(skip)
 
     def wrap(self, name, function):
+        if name in self.skip:
+            return self.skipped(name)
         @functools.wraps(function)
         def observed(*args, **kwargs):
             outer = self.depth == 0
@@ -47,6 +49,15 @@ class _Recorder:
 
         return observed
 
+    def skipped(self, name):
+        # Only for a check that fails in accelerate itself on this many ranks (run.py's UPSTREAM list,
+        # which proves that failure in a separate run first): the rest of the script still runs.
+        def not_run(*args, **kwargs):
+            if self.depth == 0:
+                self.calls.append({"name": name, "ok": None, "seconds": 0.0})
+
+        return not_run
+
 
 class _Namespace(dict):
     """Module globals that wrap test functions as the script stores them (STORE_NAME goes through
@@ -63,7 +74,7 @@ class _Namespace(dict):
 
 
 def main(script: str, report_dir: str) -> int:
-    recorder = _Recorder()
+    recorder = _Recorder(skip=[n for n in os.environ.get("CONFORMANCE_SKIP", "").split(",") if n])
     namespace = _Namespace(recorder, __name__="__main__", __file__=script, __builtins__=__builtins__)
     sys.argv = [script]
     sys.path[0] = os.path.dirname(script)

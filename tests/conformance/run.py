@@ -26,6 +26,19 @@ sys.path.insert(0, str(HERE))
 import wheel  # noqa: E402
 
 DISTRIBUTED = ("test_ops", "test_sync", "test_script")
+
+# Checks that fail in accelerate 1.15.0 itself on this many ranks, with why. For each, the run first
+# proves the failure on our side is that one check (the script stops there, as it does under
+# accelerate), then runs the script again without it so every later check still runs.
+UPSTREAM = {
+    ("test_script", 4): {
+        "test_split_between_processes_tensor": (
+            "its 2-row tensor over 4 ranks expects row 1 on ranks 2 and 3, but accelerate's own split "
+            "gives them empty shares (measured: accelerate 1.15.0 under torchrun with ACCELERATE_USE_CPU=1 "
+            "fails the same assertion, torch.Size([0, 4]) != torch.Size([1, 4]))"
+        ),
+    },
+}
 NOTEBOOK = "test_notebook"
 TIMEOUT_S = 420
 
@@ -36,22 +49,30 @@ class Outcome:
     ranks: int
     returncode: int
     seconds: float
-    calls: list = field(default_factory=list)  # rank 0's recorded test calls
+    calls: list = field(default_factory=list)  # rank 0's recorded test calls (ok None: not run)
     disagreeing: list = field(default_factory=list)  # ranks whose results differ from rank 0's
     output: str = ""
 
+    upstream: dict = field(default_factory=dict)  # checks failing in accelerate too, proven here
+    problem: str = ""
+
     @property
     def passed(self) -> int:
-        return sum(call["ok"] for call in self.calls)
+        return sum(call["ok"] is True for call in self.calls)
+
+    failed: list = field(default_factory=list)  # checks that failed on any rank
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and self.calls and self.passed == len(self.calls) and not self.disagreeing
+        ran = [c for c in self.calls if c["ok"] is not None]
+        return (self.returncode == 0 and bool(ran) and not self.failed and not self.disagreeing
+                and not self.problem)
 
     def line(self) -> str:
-        failed = [c["name"] for c in self.calls if not c["ok"]]
-        state = "ok" if self.ok else f"FAILED (exit {self.returncode}{', ' + ', '.join(failed) if failed else ''})"
-        return f"{self.script:<14} {self.ranks} ranks: {self.passed}/{len(self.calls)} test calls passed " \
+        state = "ok" if self.ok else f"FAILED (exit {self.returncode}{', ' + ', '.join(self.failed) if self.failed else ''}" \
+            f"{'; ' + self.problem if self.problem else ''})"
+        also = f", {len(self.upstream)} failing in accelerate itself too" if self.upstream else ""
+        return f"{self.script:<14} {self.ranks} ranks: {self.passed}/{len(self.calls)} test calls passed{also} " \
                f"in {self.seconds:.1f} s  {state}"
 
 
@@ -66,7 +87,24 @@ def environment(report_dir: str, ranks: int) -> dict:
     return env
 
 
-def run_one(name: str, ranks: int, timeout: float = TIMEOUT_S) -> Outcome:
+def check(name: str, ranks: int, timeout: float = TIMEOUT_S) -> Outcome:
+    """One script on `ranks` ranks; where accelerate itself fails a check (UPSTREAM), that failure is
+    proven first and the script then runs without it."""
+    known = UPSTREAM.get((name, ranks), {})
+    if not known:
+        return run_one(name, ranks, timeout)
+    first = run_one(name, ranks, timeout)
+    rest = run_one(name, ranks, timeout, skip=sorted(known))
+    rest.seconds += first.seconds
+    rest.upstream = known
+    if first.failed != [sorted(known)[0]] or first.returncode == 0:
+        rest.problem = (f"expected only {sorted(known)[0]} to fail, as it does in accelerate "
+                        f"(the list is stale?), got failures {first.failed} and exit {first.returncode}")
+        rest.output = first.output + rest.output
+    return rest
+
+
+def run_one(name: str, ranks: int, timeout: float = TIMEOUT_S, skip=()) -> Outcome:
     script = wheel.script(name)
     with tempfile.TemporaryDirectory(prefix=f"conformance-{name}-") as reports:
         observe = [str(HERE / "observe.py"), str(script), reports]
@@ -77,7 +115,9 @@ def run_one(name: str, ranks: int, timeout: float = TIMEOUT_S) -> Outcome:
                        "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "--monitor_interval=0.1",
                        *observe]
         started = time.monotonic()
-        process = subprocess.Popen(command, env=environment(reports, ranks), cwd=reports,
+        env = environment(reports, ranks)
+        env["CONFORMANCE_SKIP"] = ",".join(skip)
+        process = subprocess.Popen(command, env=env, cwd=reports,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True)
         try:
@@ -96,6 +136,7 @@ def run_one(name: str, ranks: int, timeout: float = TIMEOUT_S) -> Outcome:
         for path in Path(reports).glob("rank*.json"):
             report = json.loads(path.read_text())
             reports_by_rank[report["rank"]] = report
+        outcome.failed = sorted({c["name"] for rep in reports_by_rank.values() for c in rep["calls"] if c["ok"] is False})
         if 0 in reports_by_rank:
             outcome.calls = reports_by_rank[0]["calls"]
             expected = [(c["name"], c["ok"]) for c in outcome.calls]
@@ -116,13 +157,15 @@ def main(argv=None) -> int:
     failures = 0
     for name in args.scripts:
         for ranks in args.ranks:
-            outcome = run_one(name, ranks)
+            outcome = check(name, ranks)
             print(outcome.line(), flush=True)
             if args.verbose or not outcome.ok:
                 print(outcome.output[-6000:], flush=True)
                 for call in outcome.calls:
-                    if not call["ok"]:
+                    if call["ok"] is False:
                         print(call["error"], flush=True)
+            for check_name, why in outcome.upstream.items():
+                print(f"    {check_name} fails in accelerate {wheel.VERSION} itself: {why}", flush=True)
             failures += not outcome.ok
     return 1 if failures else 0
 

@@ -2,7 +2,14 @@
 
 The elastic agent starts, watches and restarts the workers; each worker connects back to a Unix
 socket of ours (stdout, stderr, control), so output, results and tracebacks travel as in a local
-launch. The agent runs in a thread; this thread reads the sockets and drives the sinks.
+launch, while this thread reads the sockets and drives the sinks.
+
+With start_method="fork" (the default) the agent runs on the main thread of an agent process forked
+from here (agent_process.py), and forks every attempt's ranks from there: the function and its
+arguments reach each attempt by inheritance, as in a local fork launch (a fork-context Queue works).
+Forking the ranks from an agent *thread* here could copy a lock another thread held (seen: a
+restarted rank stuck importing a module). With "spawn" or "forkserver" the agent runs in a thread
+here and the function travels pickled.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from ..errors import (
     failure_from_exit,
 )
 from ..payload import loads_result
+from .agent_process import AgentProcess, agent_failures
 
 NODE_WAIT_NOTICE_S = 5.0  # no worker yet after this long: say which nodes we are waiting for
 _WAIT_KEY = {"static": "timeout", "c10d": "join_timeout"}  # the rendezvous wait, in seconds
@@ -44,17 +52,16 @@ MAX_HEADER_LINE = 256  # a worker's first line, "{local_rank} {attempt} {stream}
 
 def run(plan, payload, sink, control) -> list:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
-    # The agent starts workers from its own thread while this thread reads their output: a fork
-    # then can copy a lock another thread holds (seen: a restarted rank stuck importing a module).
-    # Ranks come from a single-threaded forkserver instead, so the function travels pickled.
-    start_method = "forkserver" if plan.start_method == "fork" else plan.start_method
+    start_method = plan.start_method
     if start_method == "forkserver":
         import multiprocessing
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(_FORKSERVER_PRELOAD))
-    target = payload.pickled()  # fails here, naming the object, before any process starts
+    # Forked ranks take the payload from memory; the others get it pickled, made here so an
+    # unpicklable object is named before any process starts.
+    target = payload if start_method == "fork" else payload.pickled()
     endpoint = plan.rdzv_endpoint or f"{plan.master_addr}:{plan.master_port}"
     conf = _rendezvous_conf(plan)
     hub = _Hub(plan, sink, _waiting_text(plan, endpoint, conf))
@@ -75,26 +82,19 @@ def run(plan, payload, sink, control) -> list:
         log_line_prefix_template=plan.log_line_prefix_template,
         logs_specs=DefaultLogsSpecs(log_dir=hub.tmp),
     )
-    outcome = {}
-
-    def agent():
-        try:
-            outcome["value"] = elastic_launch(config, _entry)(
-                hub.path, plan.env, plan.threads_per_process, target
-            )
-        except BaseException as exc:  # reported by the reading thread
-            outcome["error"] = exc
-
+    args = (hub.path, plan.env, plan.threads_per_process, target)
     sink.handle(ev.LaunchStarted(plan.num_processes, start_method, plan.world_size, plan.node_rank))
     started = time.monotonic()
-    thread = threading.Thread(target=agent, name="notebook_accel-elastic-agent", daemon=True)
     control.start()
-    thread.start()
+    agent = None
     try:
-        with _quiet_torch_loggers():
-            hub.serve_until(thread, control)
+        with _quiet_torch_loggers():  # before the agent starts: a forked agent process inherits it
+            agent = (AgentProcess if start_method == "fork" else _AgentThread)(config, _entry, args)
+            hub.serve_until(agent.thread, control)
     except BaseException as exc:
-        hub.stop_everything(thread)
+        if agent is not None:
+            agent.stop()
+            hub.stop_everything(agent.thread)
         reason = exc.reason if isinstance(exc, LaunchStoppedError) else ""
         if reason:
             for rank in sorted(set(hub.ranks.values())):
@@ -104,14 +104,15 @@ def run(plan, payload, sink, control) -> list:
         raise
     finally:
         hub.close()
-    error = outcome.get("error")
+    agent.thread.join()
+    error = agent.error
     if error is not None and not hub.ranks and _is_rendezvous_timeout(error):
         sink.handle(ev.LaunchFinished(False, time.monotonic() - started))
         raise NodesMissingError(_missing_text(plan, endpoint, conf, error)) from error
     if error is not None:
         reports = hub.final_failures()
-        if not reports and isinstance(error, ChildFailedError):
-            reports = [failure_from_exit(r, f.pid, f.exitcode) for r, f in sorted(error.failures.items())]
+        if not reports:
+            reports = [failure_from_exit(*failure) for failure in agent_failures(error, ChildFailedError)]
         sink.handle(ev.LaunchFinished(False, time.monotonic() - started, tuple(r.rank for r in reports)))
         if reports:
             raise LaunchFailedError(reports) from error
@@ -146,10 +147,31 @@ def _waiting_text(plan, endpoint: str, conf: dict) -> str:
     )
 
 
+class _AgentThread:
+    """The agent in a thread of this process (spawn and forkserver ranks need no inheritance)."""
+
+    def __init__(self, config, entry, args):
+        from torch.distributed.launcher.api import elastic_launch
+
+        self.error = None
+
+        def agent():
+            try:
+                elastic_launch(config, entry)(*args)
+            except BaseException as exc:  # reported by the reading thread
+                self.error = exc
+
+        self.thread = threading.Thread(target=agent, name="notebook_accel-elastic-agent", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        pass  # the hub refuses new attempts and kills the running ones; the agent then gives up
+
+
 def _is_rendezvous_timeout(error: BaseException) -> bool:
     # c10d raises RendezvousTimeoutError (no message); static a DistStoreError "waiting for clients"
     # on node 0, and a DistNetworkError "timed out ... trying to connect" on the others.
-    name, text = type(error).__name__, str(error)
+    name, text = getattr(error, "type_name", type(error).__name__), getattr(error, "text", str(error))
     return (
         name == "RendezvousTimeoutError"
         or (name == "DistStoreError" and "waiting for clients" in text)
@@ -207,7 +229,7 @@ def _entry(hub_path: str, env: dict, threads: int, target):
     def load():
         from ..payload import loads
 
-        return loads(target)
+        return loads(target) if isinstance(target, bytes) else (target.function, target.args)
 
     code = child.run(rank, tuple(s.detach() for s in fds), env, threads, load)
     if code != 0:

@@ -6,6 +6,9 @@ here; Accelerator.unwrap_model and get_state_dict undo the wrappers with `unwrap
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 
 from . import precision
@@ -136,6 +139,51 @@ def _batched_power_sgd_works(powerSGD_hook) -> bool:
     except (AssertionError, IndexError, RuntimeError):
         return False
     return True
+
+
+@contextlib.contextmanager
+def join_uneven_inputs(joinables, state, enable: bool):
+    """torch's Join over the DDP models among `joinables` (enable=False: Join is off, as with even
+    batches), so a rank that runs out of batches shadows the others' all-reduces instead of hanging.
+
+    A joinable that is not DDP-wrapped (prepared with evaluation_mode=True, without trainable
+    parameters, or not prepared) is left out with a UserWarning, and so is the whole block in a
+    multi-process run that does not use DDP; one process has nothing to join and stays silent.
+    """
+    from torch.distributed.algorithms.join import Join, Joinable
+
+    if isinstance(joinables, (torch.nn.Module, Joinable)):
+        joinables = [joinables]
+    if not uses_ddp(state):
+        if state.distributed_type != DistributedType.NO:
+            warnings.warn(
+                f"join_uneven_inputs has no effect with distributed_type={state.distributed_type}: "
+                "it joins DistributedDataParallel models only.",
+                UserWarning,
+                stacklevel=5,
+            )
+        yield
+        return
+    usable, skipped = [], []
+    for i, obj in enumerate(joinables):
+        inner = getattr(obj, "_orig_mod", obj)  # torch.compile over DDP: join the DDP inside
+        if isinstance(inner, Joinable):
+            usable.append(inner)
+        else:
+            skipped.append(f"joinables[{i}] ({type(obj).__name__})")
+    if skipped:
+        warnings.warn(
+            f"join_uneven_inputs: {', '.join(skipped)} is not DDP-wrapped (prepared with evaluation_mode=True, "
+            "without trainable parameters, or not prepared), so it is not joined; pass the models "
+            "accelerator.prepare returned for training.",
+            UserWarning,
+            stacklevel=5,
+        )
+    if not (enable and usable):
+        yield
+        return
+    with Join(usable, enable=True, throw_on_early_termination=False):
+        yield
 
 
 def unwrap_model(model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):

@@ -535,9 +535,9 @@ def override_even_batches(loaders: Iterable, even_batches: Optional[bool]):
             sampler.even_batches = bool(even_batches)
     if refused:
         warnings.warn(
-            f"join_uneven_inputs(even_batches={even_batches}) changes only map-style loaders read by each rank; "
-            f"{', '.join(refused)} keep their batching (iterable datasets and dispatched batches are always "
-            "evened out across ranks).",
+            f"join_uneven_inputs(even_batches={even_batches}): overriding even_batches is only supported for "
+            f"map-style datasets read by each rank; {', '.join(refused)} keep their batching (iterable datasets "
+            "and dispatched batches are always evened out across ranks).",
             UserWarning,
             stacklevel=5,
         )

@@ -157,8 +157,8 @@ def join_uneven_inputs(joinables, state, enable: bool):
     if not uses_ddp(state):
         if state.distributed_type != DistributedType.NO:
             warnings.warn(
-                f"join_uneven_inputs has no effect with distributed_type={state.distributed_type}: "
-                "it joins DistributedDataParallel models only.",
+                "Joining uneven inputs is only supported for multi-GPU (or multi-CPU, ...) DistributedDataParallel "
+                f"training: with distributed_type={state.distributed_type}, join_uneven_inputs has no effect.",
                 UserWarning,
                 stacklevel=5,
             )

@@ -18,6 +18,7 @@ _EXPORTS = {
     "GradientState": "state",
     "DistributedType": "utils.dataclasses",
     "DataLoaderConfiguration": "utils.dataclasses",
+    "DDPCommunicationHookType": "utils.dataclasses",
     "DistributedDataParallelKwargs": "utils.dataclasses",
     "GradScalerKwargs": "utils.dataclasses",
     "InitProcessGroupKwargs": "utils.dataclasses",

@@ -422,24 +422,14 @@ class Accelerator:
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables, even_batches: Optional[bool] = None):
-        """torch's Join for ranks with different numbers of batches (DDP models only)."""
-        if not model_wrapping.uses_ddp(self.state):
-            yield
-            return
-        from torch.distributed.algorithms.join import Join
+        """torch's Join over DDP models, for ranks with different numbers of batches; even_batches
+        overrides the prepared loaders' setting inside the block (model_wrapping, data_loader)."""
+        from .data_loader import override_even_batches
 
-        saved = self.even_batches
-        if even_batches is not None:
-            self.even_batches = even_batches
-            for loader in self._dataloaders:
-                sampler = getattr(loader, "batch_sampler", None)
-                if hasattr(sampler, "even_batches"):
-                    sampler.even_batches = even_batches
-        try:
-            with Join(joinables):
+        uneven = not (self.even_batches if even_batches is None else even_batches)
+        with override_even_batches(self._dataloaders if self.use_distributed else [], even_batches):
+            with model_wrapping.join_uneven_inputs(joinables, self.state, enable=uneven):
                 yield
-        finally:
-            self.even_batches = saved
 
     # -- models and memory ------------------------------------------------------------------
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):

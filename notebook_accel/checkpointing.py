@@ -84,6 +84,28 @@ def _default_is_writer(process_index: int, save_on_each_node: bool) -> bool:
     return int(os.environ.get("LOCAL_RANK", process_index)) == 0
 
 
+def folder_writer(
+    output_dir: str, process_index: int, num_processes: int, save_on_each_node: bool = False
+) -> bool:
+    """Whether this rank writes the shared pieces (models, optimizers, ...) into `output_dir`.
+
+    Ranks that name the same folder share one writer: rank 0 (each node's local main process with
+    save_on_each_node), else the lowest rank among them. So a rank that passes a folder of its own
+    (a local disk on a cluster without a shared filesystem) writes a complete checkpoint there, and
+    load_state on that rank reads it back. Call on every rank: the folders are compared across them.
+    """
+    mine = (os.path.abspath(output_dir), _default_is_writer(process_index, save_on_each_node))
+    everyone = [mine]
+    if num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        process_index = torch.distributed.get_rank()
+    same = [rank for rank, (path, _) in enumerate(everyone) if path == mine[0]]
+    if len(everyone) == 1 or any(everyone[rank][1] for rank in same):
+        return mine[1]
+    return process_index == same[0]
+
+
 class _Agreement:
     """Barriers that also tell every rank whether any rank failed, so none waits forever."""
 
@@ -148,13 +170,14 @@ def save_accelerator_state(
 ) -> str:
     """Save a training run's state to `output_dir` atomically; returns its absolute path.
 
-    Call on every process. The main process (each node's, with save_on_each_node) writes the shared
-    pieces and swaps the folder in; every process writes its RNG states and its loaders' positions.
+    Call on every process. Each folder's writer (see `folder_writer`: the main process, each node's
+    with save_on_each_node, and every rank that names a folder of its own) writes the shared pieces
+    and swaps the folder in; every process writes its RNG states and its loaders' positions.
     `model_states` holds state dicts (or models). Loaders without `state_dict` are skipped.
     """
     output_dir = os.path.abspath(output_dir)
     writer = (
-        _default_is_writer(process_index, save_on_each_node)
+        folder_writer(output_dir, process_index, num_processes, save_on_each_node)
         if is_main_process is None
         else bool(is_main_process)
     )
@@ -175,7 +198,7 @@ def save_accelerator_state(
         if not os.path.isdir(staging):
             raise FileNotFoundError(
                 f"{staging} is not visible from rank {process_index}: without a shared filesystem across nodes, "
-                "pass save_on_each_node=True."
+                "pass save_on_each_node=True, or give each rank a folder of its own."
             )
         if writer:
             _write_shared(
@@ -496,6 +519,7 @@ def save_state(accelerator, output_dir: Optional[str] = None, safe_serialization
             "save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)."
         )
     acc = accelerator
+    writer = folder_writer(output_dir, acc.process_index, acc.num_processes, config.save_on_each_node)
     path = save_accelerator_state(
         output_dir,
         [acc.get_state_dict(m) for m in acc._models],
@@ -508,12 +532,12 @@ def save_state(accelerator, output_dir: Optional[str] = None, safe_serialization
         custom_objects=acc._custom_objects,
         safe_serialization=safe_serialization,
         save_on_each_node=config.save_on_each_node,
-        is_main_process=acc.is_main_process,
+        is_main_process=writer,
         wait_for_everyone=acc.wait_for_everyone,
     )
     if config.automatic_checkpoint_naming:
         config.iteration += 1
-        if accelerator.is_main_process:
+        if writer:  # each folder's writer rotates it (several when ranks keep their own folders)
             rotate_checkpoints(config)
         accelerator.wait_for_everyone()
     return path

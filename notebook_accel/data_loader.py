@@ -8,8 +8,10 @@ exactly from `state_dict()`; see `DataLoaderStateMixin.state_dict` for the contr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import warnings
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -46,6 +48,7 @@ __all__ = [
     "IterableDatasetShard",
     "SeedableRandomSampler",
     "SkipBatchSampler",
+    "override_even_batches",
     "prepare_data_loader",
     "skip_first_batches",
 ]
@@ -508,3 +511,38 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0):
     else:
         kwargs.update(sampler=dataloader.sampler, batch_size=None)
     return DataLoaderShard(dataloader.dataset, skip_batches=num_batches, **kwargs)
+
+
+@contextlib.contextmanager
+def override_even_batches(loaders: Iterable, even_batches: Optional[bool]):
+    """Inside the block, every loader sharded by a BatchSamplerShard uses `even_batches`; after it,
+    each gets its own value back (None: nothing changes).
+
+    Loaders that cannot take the override are left as they are, with one UserWarning naming them:
+    an iterable dataset shared among processes (IterableDatasetShard always completes its last
+    global batch, or drops it) and a DataLoaderDispatcher (rank 0 pads the last batch for every rank).
+    """
+    if even_batches is None:
+        yield
+        return
+    changed, refused = [], []
+    for i, loader in enumerate(loaders):
+        sampler = loader._batch_sampler() if isinstance(loader, DataLoaderStateMixin) else loader.batch_sampler
+        if isinstance(loader, DataLoaderDispatcher) or isinstance(loader.dataset, IterableDatasetShard):
+            refused.append(f"loader {i} ({type(loader).__name__} over {type(loader.dataset).__name__})")
+        elif isinstance(sampler, BatchSamplerShard):
+            changed.append((sampler, sampler.even_batches))
+            sampler.even_batches = bool(even_batches)
+    if refused:
+        warnings.warn(
+            f"join_uneven_inputs(even_batches={even_batches}): overriding even_batches is only supported for "
+            f"map-style datasets read by each rank; {', '.join(refused)} keep their batching (iterable datasets "
+            "and dispatched batches are always evened out across ranks).",
+            UserWarning,
+            stacklevel=5,
+        )
+    try:
+        yield
+    finally:
+        for sampler, value in changed:
+            sampler.even_batches = value

@@ -96,6 +96,21 @@ class _Borg:
     def initialized(self) -> bool:
         return self._shared_state != {}
 
+    def __reduce__(self):
+        # Unpickled where this process has its state, a state is that shared one (not a private copy
+        # that later changes miss); see _unpickle_state.
+        return (_unpickle_state, (type(self), dict(self.__dict__)))
+
+
+def _unpickle_state(cls, saved: dict):
+    """A `cls` instance viewing this process's shared dict, as `cls()` would, when the process has
+    resolved its state; else one holding the pickled values on its own (accelerate's behaviour), so
+    a process that has not resolved its state yet still resolves its own on the next `cls()`."""
+    obj = cls.__new__(cls)
+    shared = cls._shared_state
+    obj.__dict__ = shared if shared else saved
+    return obj
+
 
 class PartialState(_Borg):
     """Where this process sits in the job and which device it drives; no training settings."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 import enum
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 
 class _StrEnum(str, enum.Enum):
@@ -64,6 +64,16 @@ class RNGType(_StrEnum):
     GENERATOR = "generator"
 
 
+class DDPCommunicationHookType(_StrEnum):
+    """The DDP communication hooks DistributedDataParallelKwargs can name (accelerate's values)."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
 class ReduceOp(_StrEnum):
     SUM = "sum"
     MEAN = "mean"
@@ -100,6 +110,20 @@ class KwargsHandler:
 
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
+    """How prepare() wraps a model in DistributedDataParallel.
+
+    The first seven fields go to DDP as they are. A communication hook is registered after wrapping,
+    in one of two forms:
+
+    - accelerate's: `comm_hook` a `DDPCommunicationHookType` (or its value, "power_sgd"), optionally
+      `comm_wrapper` FP16 / BF16 (compresses what the hook sends; ignored when comm_hook is NO) and
+      `comm_state_option`, the keywords of torch's `PowerSGDState` for the PowerSGD hooks (its
+      process group is the default one).
+    - a torch hook function `comm_hook(state, bucket)` with its `comm_state`, handed over as given.
+
+    See model_wrapping.register_comm_hook for what each hook needs to run.
+    """
+
     dim: int = 0
     broadcast_buffers: bool = True
     bucket_cap_mb: int = 25
@@ -107,15 +131,52 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
-    comm_hook: Optional[Callable] = None  # a torch DDP comm hook, registered after wrapping
+    comm_hook: Any = DDPCommunicationHookType.NO
+    comm_wrapper: Any = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
     comm_state: Any = None
+
+    # Not DDP's keywords: model_wrapping registers the hook from them after wrapping.
+    HOOK_FIELDS = ("comm_hook", "comm_wrapper", "comm_state_option", "comm_state")
+
+    def __post_init__(self):
+        if not callable(self.comm_hook):
+            self.comm_hook = _hook_type("comm_hook", self.comm_hook, DDPCommunicationHookType.list())
+        allowed = [DDPCommunicationHookType.NO.value, DDPCommunicationHookType.FP16.value, DDPCommunicationHookType.BF16.value]
+        self.comm_wrapper = _hook_type("comm_wrapper", self.comm_wrapper, allowed)
+        if not isinstance(self.comm_state_option, dict):
+            raise TypeError(
+                f"comm_state_option={self.comm_state_option!r}: pass a dict of PowerSGDState keywords, "
+                "e.g. {'matrix_approximation_rank': 2}."
+            )
+        if callable(self.comm_hook) and self.comm_state_option:
+            raise ValueError(
+                "comm_state_option configures the PowerSGD hooks named by DDPCommunicationHookType; with a hook "
+                "function as comm_hook, pass its state as comm_state instead."
+            )
 
     def to_dict(self) -> dict:
         # The hook's state is the user's live object (a call counter, a PowerSGDState): handed on as
         # it is, never a deep copy the user cannot see into (or that holds an uncopyable process group).
-        shared = ("comm_hook", "comm_state")
+        shared = self.HOOK_FIELDS
         rest = copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in shared})
         return {**rest, **{k: self.__dict__[k] for k in shared}}
+
+    def ddp_kwargs(self) -> dict:
+        """The keywords for torch's DistributedDataParallel (the changed ones; no hook fields)."""
+        return {k: v for k, v in self.to_kwargs().items() if k not in self.HOOK_FIELDS}
+
+
+def _hook_type(name: str, value, allowed: list) -> DDPCommunicationHookType:
+    text = value.value if isinstance(value, enum.Enum) else value
+    if value is None:
+        text = DDPCommunicationHookType.NO.value
+    if isinstance(text, str) and text.lower() in allowed:
+        return DDPCommunicationHookType(text.lower())
+    raise ValueError(
+        f"DistributedDataParallelKwargs({name}={value!r}): choose one of {allowed} "
+        f"(DDPCommunicationHookType members){' or pass a torch hook function' if name == 'comm_hook' else ''}."
+    )
 
 
 @dataclass

@@ -508,3 +508,12 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0):
     else:
         kwargs.update(sampler=dataloader.sampler, batch_size=None)
     return DataLoaderShard(dataloader.dataset, skip_batches=num_batches, **kwargs)
+
+
+def get_sampler(dataloader: DataLoader):
+    """The sampler that orders `dataloader`'s samples (the one inside its batch sampler), or None."""
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(f"get_sampler takes a torch DataLoader, not {type(dataloader).__name__}.")
+    if isinstance(dataloader.sampler, BatchSampler):  # a batch sampler passed as sampler=
+        return getattr(dataloader.sampler, "sampler", None)
+    return getattr(dataloader.batch_sampler, "sampler", None)

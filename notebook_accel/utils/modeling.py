@@ -483,6 +483,9 @@ _ELSEWHERE = {
     "load_checkpoint_in_model": "loading",
     "load_offloaded_weights": "loading",
     "load_state_dict": "loading",
+    "convert_file_size_to_int": "memory",
+    "id_tensor_storage": "other",
+    "is_peft_model": "other",
 }
 
 

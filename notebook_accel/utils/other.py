@@ -1,0 +1,117 @@
+"""Small general helpers with accelerate's names: a barrier, module and tensor queries, dict and name
+utilities, a port probe."""
+
+from __future__ import annotations
+
+import functools
+import socket
+from typing import Optional
+
+import torch
+
+from .current import current_state
+from .imports import is_peft_available
+
+
+def wait_for_everyone() -> None:
+    """Barrier across all processes (`PartialState().wait_for_everyone()`); a no-op alone."""
+    state = current_state()
+    if state is not None:
+        state.wait_for_everyone()
+
+
+def is_port_in_use(port: Optional[int] = None) -> bool:
+    """Something listens on localhost:`port` (29500, torch's default rendezvous port, when None)."""
+    port = 29500 if port is None else port
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port={port!r}: pass a TCP port number between 1 and 65535")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        return probe.connect_ex(("localhost", port)) == 0
+
+
+def get_pretty_name(obj) -> str:
+    """The qualified name of a function or class, or of an object's class."""
+    if not hasattr(obj, "__qualname__") and not hasattr(obj, "__name__"):
+        obj = type(obj)
+    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or str(obj)
+
+
+def merge_dicts(source: dict, destination: dict) -> dict:
+    """Merge `source` into `destination` in place, nested dicts key by key; returns `destination`."""
+    for key, value in source.items():
+        if isinstance(value, dict):
+            merge_dicts(value, destination.setdefault(key, {}))
+        else:
+            destination[key] = value
+    return destination
+
+
+def recursive_getattr(obj, attr: str):
+    """getattr along a dotted path: recursive_getattr(model, "encoder.layer.0")."""
+    return functools.reduce(getattr, attr.split("."), obj)
+
+
+def convert_bytes(size) -> str:
+    """A byte count in the largest unit under 1024 of it, e.g. "1.5 GB"."""
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if size < 1024.0:
+            return f"{round(size, 2)} {unit}"
+        size /= 1024.0
+    return f"{round(size, 2)} PB"
+
+
+def is_compiled_module(module) -> bool:
+    """`module` is what torch.compile returned for a module."""
+    dynamo = getattr(torch, "_dynamo", None)
+    return dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule)
+
+
+def get_module_children_bottom_up(model: torch.nn.Module, return_fqns: bool = False) -> list:
+    """Every module of `model`, children before their parents, `model` last; with `return_fqns`,
+    (dotted name, module) pairs ("" for `model`)."""
+    ordered = []
+    stack = [("", model)]
+    while stack:
+        name, module = stack.pop()
+        ordered.append((name, module))
+        for child_name, child in module.named_children():
+            stack.append((f"{name}.{child_name}" if name else child_name, child))
+    ordered.reverse()
+    return ordered if return_fqns else [module for _, module in ordered]
+
+
+def id_tensor_storage(tensor: torch.Tensor) -> tuple:
+    """(device, storage start, storage end): equal for tensors that share memory."""
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr()  # 0 for every meta tensor: they are all one (empty) storage
+    return tensor.device, start, start + storage.nbytes()
+
+
+def is_peft_model(model) -> bool:
+    """`model` (under any DDP or torch.compile wrapper) is a peft PeftModel."""
+    if not is_peft_available():
+        return False
+    from peft import PeftModel
+
+    inner = getattr(model, "_orig_mod", model)
+    while isinstance(inner, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        inner = inner.module
+    return isinstance(inner, PeftModel)
+
+
+def get_current_device_type() -> tuple:
+    """(device type, distributed type) of the first accelerator family present, found without
+    initialising a device; ("cpu", "MULTI_CPU") on a machine with none (accelerate says "cuda" there)."""
+    from . import families
+
+    for family in families.FAMILIES:
+        if family.distributed_type is None or family.name == "xla":
+            continue
+        try:
+            present = family.is_available()
+        except Exception:
+            present = False
+        if present:
+            return family.name, str(family.distributed_type)
+    return "cpu", "MULTI_CPU"

@@ -1,0 +1,316 @@
+"""Small helpers that complete accelerate's public surface: versions, environment flags, module and
+tensor queries, state odds and ends, tracker registration, hooks, samplers, `launchers`."""
+
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+
+from notebook_accel import AcceleratorState, GradientState, PartialState
+from notebook_accel import state as state_module
+from notebook_accel.utils import (
+    clear_environment,
+    compare_versions,
+    convert_bytes,
+    get_int_from_env,
+    get_module_children_bottom_up,
+    get_pretty_name,
+    id_tensor_storage,
+    is_compiled_module,
+    is_port_in_use,
+    is_torch_version,
+    merge_dicts,
+    parse_choice_from_env,
+    parse_flag_from_env,
+    patch_environment,
+    recursive_getattr,
+    str_to_bool,
+    wait_for_everyone,
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+# -- versions -------------------------------------------------------------------------------------
+
+
+def test_compare_versions_by_distribution_name_or_version():
+    assert compare_versions("torch", "==", torch.__version__)
+    assert compare_versions("1.10.0", ">", "1.9.1")  # numbers, not strings
+    assert not compare_versions("2.0.0rc1", ">=", "2.0.0")
+    assert is_torch_version(">=", "2.1") and not is_torch_version("<", "2.1")
+
+
+@pytest.mark.parametrize("args, fragment", [(("torch", "~=", "2"), "'~='"), (("no-such-dist", ">", "1"), "'no-such-dist'")])
+def test_compare_versions_names_bad_input(args, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        compare_versions(*args)
+
+
+# -- environment flags ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, value", [("YES", 1), ("on", 1), ("1", 1), ("False", 0), ("n", 0), ("off", 0)])
+def test_str_to_bool(text, value):
+    assert str_to_bool(text) == value
+    assert str_to_bool(text, to_bool=True) is bool(value)
+
+
+def test_str_to_bool_names_a_bad_value():
+    with pytest.raises(ValueError, match="'maybe'"):
+        str_to_bool("maybe")
+
+
+def test_flags_choices_and_ints_from_the_environment(monkeypatch):
+    monkeypatch.setenv("NA_TEST_FLAG", "true")
+    monkeypatch.delenv("NA_TEST_MISSING", raising=False)
+    assert parse_flag_from_env("NA_TEST_FLAG") is True
+    assert parse_flag_from_env("NA_TEST_MISSING") is False
+    assert parse_flag_from_env("NA_TEST_MISSING", default=True) is True
+    assert parse_choice_from_env("NA_TEST_FLAG") == "true"
+    assert parse_choice_from_env("NA_TEST_MISSING", "fp16") == "fp16"
+    monkeypatch.setenv("NA_TEST_A", "-1")
+    monkeypatch.setenv("NA_TEST_B", "3")
+    assert get_int_from_env(["NA_TEST_MISSING", "NA_TEST_A", "NA_TEST_B"], 7) == 3
+    assert get_int_from_env(["NA_TEST_MISSING"], 7) == 7
+    monkeypatch.setenv("NA_TEST_A", "x")
+    with pytest.raises(ValueError, match="NA_TEST_A='x'"):
+        get_int_from_env(["NA_TEST_A"], 0)
+
+
+def test_patch_environment_sets_and_restores(monkeypatch):
+    monkeypatch.setenv("NA_TEST_KEEP", "before")
+    monkeypatch.delenv("NA_TEST_NEW", raising=False)
+    with patch_environment(na_test_keep="during", NA_TEST_NEW=5):
+        assert os.environ["NA_TEST_KEEP"] == "during"
+        assert os.environ["NA_TEST_NEW"] == "5"
+    assert os.environ["NA_TEST_KEEP"] == "before"
+    assert "NA_TEST_NEW" not in os.environ
+
+
+def test_clear_environment_empties_then_restores(monkeypatch):
+    monkeypatch.setenv("NA_TEST_KEEP", "before")
+    with clear_environment():
+        assert dict(os.environ) == {}
+        os.environ["NA_TEST_INSIDE"] = "x"
+    assert os.environ["NA_TEST_KEEP"] == "before"
+    assert "NA_TEST_INSIDE" not in os.environ
+
+
+# -- general helpers ------------------------------------------------------------------------------
+
+
+def test_is_port_in_use_sees_a_listener():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert is_port_in_use(port) is True
+    assert is_port_in_use(port) is False
+    with pytest.raises(ValueError, match="port=70000"):
+        is_port_in_use(70000)
+
+
+def test_small_helpers():
+    assert get_pretty_name(torch.nn.Linear) == "Linear"
+    assert get_pretty_name(torch.nn.Linear(1, 1)) == "Linear"
+    assert get_pretty_name(test_small_helpers) == "test_small_helpers"
+    target = {"a": {"x": 1}, "b": 2}
+    assert merge_dicts({"a": {"y": 3}, "c": 4}, target) is target
+    assert target == {"a": {"x": 1, "y": 3}, "b": 2, "c": 4}
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sequential(torch.nn.ReLU()))
+    assert recursive_getattr(model, "1.0") is model[1][0]
+    assert recursive_getattr(model, "0.weight").shape == (3, 2)
+    assert convert_bytes(512) == "512 bytes"
+    assert convert_bytes(1536) == "1.5 KB"
+    assert convert_bytes(3 * 1024**3) == "3.0 GB"
+
+
+def test_children_bottom_up():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()))
+    order = get_module_children_bottom_up(model)
+    assert order[-1] is model
+    assert len(order) == 5
+    for parent in (model, model[1]):
+        for child in parent.children():
+            assert order.index(child) < order.index(parent)
+    names = [name for name, _ in get_module_children_bottom_up(model, return_fqns=True)]
+    assert names[-1] == "" and set(names) == {"", "0", "1", "1.0", "1.1"}
+
+
+def test_id_tensor_storage_is_equal_exactly_for_shared_memory():
+    base = torch.arange(10.0)
+    assert id_tensor_storage(base) == id_tensor_storage(base[2:5])
+    assert id_tensor_storage(base) != id_tensor_storage(base.clone())
+    linear = torch.nn.Linear(2, 2)
+    tied = torch.nn.Linear(2, 2)
+    tied.weight = linear.weight
+    assert id_tensor_storage(tied.weight) == id_tensor_storage(linear.weight)
+    assert id_tensor_storage(tied.bias) != id_tensor_storage(linear.bias)
+
+
+def test_is_compiled_module():
+    model = torch.nn.Linear(2, 2)
+    assert is_compiled_module(model) is False
+    assert is_compiled_module(torch.compile(model, backend="eager")) is True
+
+
+def test_wait_for_everyone_alone_returns():
+    PartialState()
+    assert wait_for_everyone() is None
+
+
+# -- state ----------------------------------------------------------------------------------------
+
+
+def test_accelerator_state_lists_the_partial_state_surface_on_its_class():
+    for name in ("is_main_process", "wait_for_everyone", "split_between_processes", "print", "fork_launched"):
+        assert isinstance(getattr(AcceleratorState, name), property), name
+    blank = AcceleratorState.__new__(AcceleratorState)  # never initialised: nothing to forward to
+    with pytest.raises(AttributeError, match="create AcceleratorState"):
+        blank.is_main_process  # noqa: B018
+    assert state_module.is_initialized() is False
+    state = AcceleratorState()
+    assert state_module.is_initialized() is True
+    assert state.is_main_process is True and state.num_processes == 1
+    with state.split_between_processes([1, 2, 3]) as share:
+        assert share == [1, 2, 3]
+    assert state_module.do_nothing(1, key=2) is None
+
+
+def test_gradient_state_dataloader_attributes_are_shared_properties():
+    assert isinstance(GradientState.active_dataloader, property)
+    first, second = GradientState(), GradientState()
+    loader = object()
+    first._add_dataloader(loader)
+    assert second.active_dataloader is loader
+    assert second.dataloader_references == [None, loader]
+    first._remove_dataloader(loader)
+    assert second.active_dataloader is None and not second.in_dataloader
+
+
+# -- trackers -------------------------------------------------------------------------------------
+
+
+def test_a_registered_tracker_is_usable_by_name(tmp_path):
+    from notebook_accel import Accelerator, tracking
+
+    class Recording(tracking.GeneralTracker):
+        name = "na_test_recording"
+        requires_logging_directory = False
+        logged = []
+
+        def __init__(self, run_name, logging_dir=None, **kwargs):
+            self.run_name = run_name
+
+        def log(self, values, step=None, **kwargs):
+            Recording.logged.append((values, step))
+
+    before = dict(tracking.TRACKERS)
+    try:
+        assert "na_test_recording" not in tracking.get_available_trackers()
+        tracking.register_tracker_class(Recording)
+        assert "na_test_recording" in tracking.get_available_trackers()
+        accelerator = Accelerator(log_with="na_test_recording")
+        accelerator.init_trackers("run")
+        accelerator.log({"loss": 1.5}, step=3)
+        assert Recording.logged == [({"loss": 1.5}, 3)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tracking.register_tracker_class(Recording)
+        assert any("registered already" in str(w.message) for w in caught)
+    finally:
+        tracking.TRACKERS.clear()
+        tracking.TRACKERS.update(before)
+
+
+def test_register_tracker_class_names_bad_input():
+    from notebook_accel import tracking
+
+    with pytest.raises(ValueError, match="GeneralTracker subclass"):
+        tracking.register_tracker_class(object)
+
+    class Nameless(tracking.GeneralTracker):
+        pass
+
+    with pytest.raises(ValueError, match="'general'"):
+        tracking.register_tracker_class(Nameless)
+
+
+def test_on_main_process_runs_a_method_only_where_asked(monkeypatch):
+    from notebook_accel import tracking
+
+    calls = []
+
+    class Thing:
+        main_process_only = True
+
+        @tracking.on_main_process
+        def act(self):
+            calls.append("ran")
+            return "done"
+
+    assert Thing().act() == "done"
+    monkeypatch.setattr(tracking, "_is_main_process", lambda: False)
+    assert Thing().act() is None
+    Thing.main_process_only = False
+    assert Thing().act() == "done"
+    assert calls == ["ran", "ran"]
+
+
+# -- hooks, samplers, launchers -------------------------------------------------------------------
+
+
+def test_remove_hook_from_submodules_detaches_every_hook():
+    from notebook_accel.hooks import ModelHook, add_hook_to_module, remove_hook_from_submodules
+
+    calls = []
+
+    class Count(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(module)
+            return args, kwargs
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    x = torch.ones(1, 2)
+    plain = model(x)
+    for module in (model, model[0], model[1][0]):
+        add_hook_to_module(module, Count())
+    assert torch.equal(model(x), plain)
+    assert len(calls) == 3
+    remove_hook_from_submodules(model)
+    assert torch.equal(model(x), plain)
+    assert len(calls) == 3
+    assert not any(hasattr(m, "_hf_hook") for m in model.modules())
+
+
+def test_get_sampler_finds_the_sampler_behind_the_batches():
+    from notebook_accel.data_loader import get_sampler
+
+    data = list(range(10))
+    shuffled = DataLoader(data, batch_size=2, shuffle=True)
+    assert isinstance(get_sampler(shuffled), RandomSampler)
+    batches = BatchSampler(SequentialSampler(data), batch_size=3, drop_last=False)
+    assert get_sampler(DataLoader(data, batch_sampler=batches)) is batches.sampler
+    assert get_sampler(DataLoader(data, sampler=batches, batch_size=None)) is batches.sampler
+    with pytest.raises(TypeError, match="list"):
+        get_sampler(data)
+
+
+def test_launchers_path_and_test_launch():
+    from notebook_accel import launchers
+    from notebook_accel.launch import notebook_launcher
+
+    assert launchers.notebook_launcher is notebook_launcher
+    state = launchers.test_launch()
+    assert isinstance(state, PartialState) and state.num_processes == 1

@@ -314,3 +314,165 @@ def test_launchers_path_and_test_launch():
     assert launchers.notebook_launcher is notebook_launcher
     state = launchers.test_launch()
     assert isinstance(state, PartialState) and state.num_processes == 1
+
+
+# -- environment files, purging, CPU ranks --------------------------------------------------------
+
+
+def test_convert_dict_to_env_variables_keeps_safe_entries_and_names_the_rest():
+    from notebook_accel.utils import convert_dict_to_env_variables
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lines = convert_dict_to_env_variables({"A": "1", "B": "<x", "C": "", "D": "two words", "E": "ok"})
+    assert lines == ["A=1\n", "E=ok\n"]
+    text = " ".join(str(w.message) for w in caught)
+    assert "B='<x'" in text and "C=''" in text and "D='two words'" in text
+
+
+def test_purge_accelerate_environment_restores_accelerate_variables(monkeypatch):
+    from notebook_accel.utils import purge_accelerate_environment
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.delenv("ACCELERATE_DEBUG_MODE", raising=False)
+
+    @purge_accelerate_environment
+    def sets_some():
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "fp16"
+        os.environ["ACCELERATE_DEBUG_MODE"] = "1"
+        os.environ["NA_TEST_OTHER"] = "kept"
+        return "result"
+
+    try:
+        assert sets_some() == "result"
+        assert os.environ["ACCELERATE_MIXED_PRECISION"] == "no"
+        assert "ACCELERATE_DEBUG_MODE" not in os.environ
+        assert os.environ["NA_TEST_OTHER"] == "kept"  # only ACCELERATE_* is purged
+    finally:
+        os.environ.pop("NA_TEST_OTHER", None)
+
+
+def test_purge_accelerate_environment_on_a_class_and_its_subclasses(monkeypatch):
+    from notebook_accel.utils import purge_accelerate_environment
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+
+    @purge_accelerate_environment
+    class Base:
+        def test_sets(self):
+            os.environ["ACCELERATE_USE_CPU"] = "1"
+
+        def helper(self):
+            os.environ["ACCELERATE_USE_CPU"] = "1"
+
+    class Child(Base):
+        def test_child_sets(self):
+            os.environ["ACCELERATE_USE_CPU"] = "yes"
+
+    Base().test_sets()
+    Child().test_child_sets()
+    assert "ACCELERATE_USE_CPU" not in os.environ
+    Base().helper()  # not a test method: left alone
+    assert os.environ.pop("ACCELERATE_USE_CPU") == "1"
+    with pytest.raises(TypeError, match="function or class"):
+        purge_accelerate_environment(3)
+
+
+def test_cpu_distributed_information_reads_torchrun_or_mpi_variables(monkeypatch):
+    from notebook_accel.utils import get_cpu_distributed_information
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PMI_RANK", "3")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.setenv("MPI_LOCALRANKID", "1")
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")
+    info = get_cpu_distributed_information()
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 4, 1, 2)
+    monkeypatch.setenv("RANK", "0")  # torchrun's variable comes first
+    assert get_cpu_distributed_information().rank == 0
+
+
+def test_check_os_kernel_warns_only_on_an_old_linux(monkeypatch):
+    import platform
+
+    from notebook_accel.utils import check_os_kernel
+
+    def uname(system, release):
+        return platform.uname_result(system, "host", release, "#1", "x86_64")
+
+    for system, release, warns in [("Linux", "4.19.0-generic", True), ("Linux", "6.1.0", False), ("Darwin", "1.0.0", False)]:
+        monkeypatch.setattr(platform, "uname", lambda s=system, r=release: uname(s, r))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_os_kernel()
+        assert any("4.19.0" in str(w.message) for w in caught) is warns, (system, release)
+
+
+# -- module queries, sizes ------------------------------------------------------------------------
+
+
+def test_compiled_regions_and_offloaded_params():
+    from notebook_accel.hooks import AlignDevicesHook, add_hook_to_module
+    from notebook_accel.utils import has_compiled_regions, has_offloaded_params
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert has_compiled_regions(model) is False
+    model[1] = torch.compile(model[1], backend="eager")
+    assert has_compiled_regions(model) is True
+    layer = torch.nn.Linear(2, 2)
+    assert has_offloaded_params(layer) is False
+    add_hook_to_module(layer, AlignDevicesHook(execution_device="cpu", offload=False))
+    assert has_offloaded_params(layer) is False
+    other = torch.nn.Linear(2, 2)
+    add_hook_to_module(other, AlignDevicesHook(execution_device="cpu", offload=True))
+    assert has_offloaded_params(other) is True
+
+
+def test_calculate_maximum_sizes_gives_total_and_largest_layer():
+    from notebook_accel.utils import calculate_maximum_sizes
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 2))
+    total, (largest, names) = calculate_maximum_sizes(model)
+    assert total == sum(p.numel() * 4 for p in model.parameters())
+    assert largest == (10 * 10 + 10) * 4 and names == ["0"]
+
+
+# -- main-process saving and progress bars --------------------------------------------------------
+
+
+def test_save_with_safetensors_drops_tied_duplicates(tmp_path):
+    from safetensors.torch import load_file
+
+    from notebook_accel.utils import save
+
+    PartialState()
+    shared = torch.arange(6.0).reshape(2, 3)
+    state = {"a.weight": shared, "b.weight": shared, "c.bias": torch.ones(3)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save(state, tmp_path / "m.safetensors", safe_serialization=True)
+    loaded = load_file(tmp_path / "m.safetensors")
+    assert sorted(loaded) == ["a.weight", "c.bias"]
+    assert torch.equal(loaded["a.weight"], shared)
+    assert any("b.weight" in str(w.message) for w in caught)
+    save({"x": [1, 2]}, tmp_path / "plain.pt")
+    assert torch.load(tmp_path / "plain.pt") == {"x": [1, 2]}
+    with pytest.raises(TypeError, match="dict of tensors"):
+        save({"x": [1, 2]}, tmp_path / "bad.safetensors", safe_serialization=True)
+
+
+def test_save_and_tqdm_do_nothing_off_the_main_process(tmp_path, monkeypatch):
+    from notebook_accel.utils import main_process, save, tqdm
+
+    monkeypatch.setattr(main_process, "_ranks", lambda: (False, False))
+    save({"x": 1}, tmp_path / "nothing.pt")
+    assert not (tmp_path / "nothing.pt").exists()
+    assert tqdm(range(3)).disable is True
+    assert tqdm(range(3), main_process_only=False).disable is False
+    monkeypatch.setattr(main_process, "_ranks", lambda: (False, True))
+    save({"x": 1}, tmp_path / "node.pt", save_on_each_node=True)
+    assert (tmp_path / "node.pt").exists()
+    assert tqdm(range(3)).disable is False
+    with pytest.raises(ValueError, match="main_process_only"):
+        tqdm(True, range(3))

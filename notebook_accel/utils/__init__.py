@@ -144,8 +144,13 @@ _SURFACE = {
             "id_tensor_storage",
             "is_peft_model",
             "get_current_device_type",
+            "has_compiled_regions",
+            "has_offloaded_params",
+            "check_os_kernel",
         )
     },
+    **{name: "main_process" for name in ("save", "tqdm", "clean_state_dict_for_safetensors")},
+    "calculate_maximum_sizes": "device_map",
     **{
         name: "env_flags"
         for name in (
@@ -155,6 +160,9 @@ _SURFACE = {
             "get_int_from_env",
             "patch_environment",
             "clear_environment",
+            "convert_dict_to_env_variables",
+            "purge_accelerate_environment",
+            "get_cpu_distributed_information",
         )
     },
 }

@@ -486,6 +486,8 @@ _ELSEWHERE = {
     "convert_file_size_to_int": "memory",
     "id_tensor_storage": "other",
     "is_peft_model": "other",
+    "has_offloaded_params": "other",
+    "calculate_maximum_sizes": "device_map",
 }
 
 

@@ -115,3 +115,36 @@ def get_current_device_type() -> tuple:
         if present:
             return family.name, str(family.distributed_type)
     return "cpu", "MULTI_CPU"
+
+
+def has_compiled_regions(module: torch.nn.Module) -> bool:
+    """Some submodule of `module` (or `module` itself, when it has children) is a torch.compile result."""
+    if not module._modules:
+        return False
+    return any(is_compiled_module(m) for m in module.modules())
+
+
+def has_offloaded_params(module: torch.nn.Module) -> bool:
+    """`module` carries an offloading hook (its weights live elsewhere between forwards), alone or
+    among a SequentialHook's hooks."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
+    return any(getattr(h, "offload", False) is True for h in hooks)
+
+
+def check_os_kernel() -> None:
+    """Warn on Linux older than 5.5, where distributed processes can hang (accelerate's check)."""
+    import platform
+    import re
+    import warnings
+
+    info = platform.uname()
+    if info.system != "Linux":
+        return
+    found = re.search(r"(\d+)\.(\d+)\.(\d+)", info.release)
+    if found and tuple(int(p) for p in found.groups()) < (5, 5, 0):
+        warnings.warn(
+            f"Linux kernel {found.group(0)} is older than 5.5.0; multi-process runs can hang on it. "
+            "Upgrade the kernel if you see processes stall.",
+            stacklevel=2,
+        )

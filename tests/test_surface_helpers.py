@@ -476,3 +476,105 @@ def test_save_and_tqdm_do_nothing_off_the_main_process(tmp_path, monkeypatch):
     assert tqdm(range(3)).disable is False
     with pytest.raises(ValueError, match="main_process_only"):
         tqdm(True, range(3))
+
+
+# -- devices, tied weights, scalers, regional compilation, alignment ------------------------------
+
+
+@pytest.mark.parametrize(
+    "a, b, same",
+    [("cpu", "cpu", True), ("cuda", "cuda:0", True), ("cuda:1", "cuda", False), ("cuda:0", "xpu:0", False),
+     (torch.device("meta"), "meta", True)],
+)
+def test_check_device_same(a, b, same):
+    from notebook_accel.utils.modeling import check_device_same
+
+    assert check_device_same(a, b) is same
+
+
+def test_check_tied_parameters_in_config_reads_a_transformers_like_model():
+    from types import SimpleNamespace
+
+    from notebook_accel.utils import check_tied_parameters_in_config
+
+    class PreTrainedModel(torch.nn.Module):  # named like transformers' base class, which is what counts
+        def __init__(self, **config):
+            super().__init__()
+            self.config = SimpleNamespace(**config)
+            self.head = torch.nn.Linear(2, 2)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    assert check_tied_parameters_in_config(PreTrainedModel(tie_word_embeddings=True)) is True
+    assert check_tied_parameters_in_config(PreTrainedModel(tie_word_embeddings=False)) is False
+    assert check_tied_parameters_in_config(PreTrainedModel(is_encoder_decoder=True, tie_encoder_decoder=True)) is True
+    assert check_tied_parameters_in_config(torch.nn.Linear(2, 2)) is False
+
+
+def test_get_grad_scaler_is_for_this_processs_device():
+    from notebook_accel.utils import get_grad_scaler
+
+    PartialState(cpu=True)
+    scaler = get_grad_scaler(init_scale=8.0)
+    assert isinstance(scaler, torch.amp.GradScaler)
+    assert scaler._device == "cpu" and scaler._init_scale == 8.0
+    with pytest.raises(NotImplementedError, match="FSDP"):
+        get_grad_scaler("FSDP")
+
+
+def test_compile_regions_compiles_each_repeated_block_and_keeps_the_original():
+    from notebook_accel.utils import compile_regions, has_compiled_regions, is_compiled_module
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+            self.head = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = torch.relu(block(x))
+            return self.head(x)
+
+    model = Net()
+    x = torch.randn(2, 4)
+    expected = model(x)
+    compiled = compile_regions(model, backend="eager")
+    assert compiled is not model and compiled._orig_mod is model
+    assert all(is_compiled_module(b) for b in compiled.blocks)
+    assert is_compiled_module(compiled.head)
+    assert has_compiled_regions(compiled) and not has_compiled_regions(model)
+    assert torch.allclose(compiled(x), expected)
+    assert compiled.blocks[0]._orig_mod.weight is model.blocks[0].weight  # parameters are shared
+    plain = torch.nn.Linear(2, 2)
+    assert is_compiled_module(compile_regions(plain, backend="eager"))
+
+
+def test_align_module_device_loads_offloaded_weights_for_the_block():
+    from notebook_accel.big_modeling import cpu_offload
+    from notebook_accel.utils import align_module_device
+
+    layer = torch.nn.Linear(3, 3)
+    weight = layer.weight.detach().clone()
+    cpu_offload(layer, execution_device="cpu")
+    assert layer.weight.device.type == "meta"
+    with align_module_device(layer):
+        assert layer.weight.device.type == "cpu"
+        assert torch.equal(layer.weight, weight)
+    assert layer.weight.device.type == "meta"
+
+
+
+def test_align_module_device_moves_plain_parameters_there_and_back(monkeypatch):
+    from notebook_accel.utils import align_module_device, modeling
+
+    moves = []
+    monkeypatch.setattr(modeling, "set_module_tensor_to_device", lambda m, name, device: moves.append((name, str(device))))
+    layer = torch.nn.Linear(2, 2)  # one CPU here: the moves are recorded, not made
+    with align_module_device(layer, execution_device="cuda:1"):
+        assert sorted(moves) == [("bias", "cuda:1"), ("weight", "cuda:1")]
+    assert sorted(moves[2:]) == [("bias", "cpu"), ("weight", "cpu")]
+    with align_module_device(layer):
+        pass
+    assert len(moves) == 4  # nothing asked: nothing moves

@@ -147,6 +147,10 @@ _SURFACE = {
             "has_compiled_regions",
             "has_offloaded_params",
             "check_os_kernel",
+            "check_tied_parameters_in_config",
+            "get_grad_scaler",
+            "compile_regions",
+            "align_module_device",
         )
     },
     **{name: "main_process" for name in ("save", "tqdm", "clean_state_dict_for_safetensors")},

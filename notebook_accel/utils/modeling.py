@@ -487,6 +487,10 @@ _ELSEWHERE = {
     "id_tensor_storage": "other",
     "is_peft_model": "other",
     "has_offloaded_params": "other",
+    "check_device_same": "other",
+    "check_tied_parameters_in_config": "other",
+    "get_grad_scaler": "other",
+    "align_module_device": "other",
     "calculate_maximum_sizes": "device_map",
 }
 

@@ -3,6 +3,7 @@ utilities, a port probe."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 from typing import Optional
@@ -148,3 +149,110 @@ def check_os_kernel() -> None:
             "Upgrade the kernel if you see processes stall.",
             stacklevel=2,
         )
+
+
+def check_device_same(first_device, second_device) -> bool:
+    """The two devices are the same device, a bare accelerator type meaning its index 0 ("cuda" is "cuda:0")."""
+    first, second = torch.device(first_device), torch.device(second_device)
+    if first.type != second.type:
+        return False
+    if first.type == "cpu":
+        return True
+    return (first.index or 0) == (second.index or 0)
+
+
+def check_tied_parameters_in_config(model: torch.nn.Module) -> bool:
+    """A transformers model whose config (or modules) asks for tied weights: tied word embeddings with an
+    output embedding, tied encoder and decoder, or a module with `_tie_weights`. False for other models."""
+    if "PreTrainedModel" not in [c.__name__ for c in type(model).__mro__]:
+        return False
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    word_embeddings = bool(
+        text_config is not None
+        and getattr(text_config, "tie_word_embeddings", False)
+        and model.get_output_embeddings() is not None
+    )
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False) and getattr(config, "tie_encoder_decoder", False))
+    return word_embeddings or encoder_decoder or any(hasattr(m, "_tie_weights") for m in model.modules())
+
+
+def get_grad_scaler(distributed_type=None, **kwargs):
+    """A torch.amp.GradScaler for this process's device type (its PartialState's device, else the
+    accelerator family present, else the CPU); `kwargs` go to the scaler."""
+    if str(distributed_type) == "FSDP":
+        raise NotImplementedError("FSDP's sharded grad scaler: notebook_accel trains with DDP, not FSDP")
+    state = current_state()
+    if state is not None:
+        device_type = state.device.type
+    else:
+        device_type, _ = get_current_device_type()
+    return torch.amp.GradScaler(device_type, **kwargs)
+
+
+def _is_repeated_blocks(module: torch.nn.Module) -> bool:
+    return (
+        isinstance(module, torch.nn.ModuleList) and len(module) > 0 and all(type(m) is type(module[0]) for m in module)
+    )
+
+
+def _compile_regions(module: torch.nn.Module, compile_kwargs: dict) -> torch.nn.Module:
+    if _is_repeated_blocks(module):
+        return torch.nn.ModuleList(torch.compile(block, **compile_kwargs) for block in module)
+    if not any(_is_repeated_blocks(m) for m in module.modules()):
+        return torch.compile(module, **compile_kwargs)
+    import copy
+    import types
+
+    twin = copy.copy(module)  # same parameters and attributes; its own table of children
+    for name, value in list(twin.__dict__.items()):  # methods bound to the original follow the twin
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            twin.__dict__[name] = types.MethodType(value.__func__, twin)
+    twin._modules = {}
+    for name, child in module.named_children():
+        twin.add_module(name, _compile_regions(child, compile_kwargs))
+    return twin
+
+
+def compile_regions(module: torch.nn.Module, **compile_kwargs) -> torch.nn.Module:
+    """Regional compilation: each block of a ModuleList of same-class blocks is compiled on its own
+    (one compilation, reused from the cache for the others), and the rest of the model around them;
+    a model without such blocks is compiled whole. Returns a new module sharing `module`'s parameters
+    (`._orig_mod` is `module`); `module` itself is left as it was."""
+    compiled = _compile_regions(module, compile_kwargs)
+    compiled.__dict__.setdefault("_orig_mod", module)
+    return compiled
+
+
+@contextlib.contextmanager
+def align_module_device(module: torch.nn.Module, execution_device=None):
+    """Inside, `module`'s own parameters are on one device: an offloading hook loads them (onto
+    `execution_device` if given) and offloads them again after; otherwise, with `execution_device`,
+    they are moved there and back. Without either, nothing moves."""
+    from .modeling import set_module_tensor_to_device
+
+    if has_offloaded_params(module):
+        hook = module._hf_hook
+        hooks = getattr(hook, "hooks", [hook])
+        previous = [h.execution_device for h in hooks]
+        if execution_device is not None:
+            for h in hooks:
+                h.execution_device = execution_device
+        try:
+            hook.pre_forward(module)
+            yield
+        finally:
+            hook.post_forward(module, None)
+            for h, device in zip(hooks, previous):
+                h.execution_device = device
+    elif execution_device is not None:
+        devices = {name: p.device for name, p in module.named_parameters(recurse=False)}
+        try:
+            for name in devices:
+                set_module_tensor_to_device(module, name, execution_device)
+            yield
+        finally:
+            for name, device in devices.items():
+                set_module_tensor_to_device(module, name, device)
+    else:
+        yield

@@ -578,3 +578,37 @@ def test_align_module_device_moves_plain_parameters_there_and_back(monkeypatch):
     with align_module_device(layer):
         pass
     assert len(moves) == 4  # nothing asked: nothing moves
+
+
+def test_get_gpu_info_lists_the_cuda_devices(monkeypatch):
+    from notebook_accel.device_probes import AcceleratorDevice
+    from notebook_accel.utils import current, get_gpu_info
+
+    names, count = get_gpu_info()
+    assert count == len(names) == sum(d.kind == "cuda" for d in current.accelerators())
+    fake = [AcceleratorDevice("cuda", 0, "GPU A"), AcceleratorDevice("xpu", 0, "Other"), AcceleratorDevice("cuda", 1, "GPU B")]
+    monkeypatch.setattr(current, "accelerators", lambda: fake)
+    assert get_gpu_info() == (["GPU A", "GPU B"], 2)
+
+
+def test_load_reads_plain_data_and_numpy_states_and_refuses_objects(tmp_path):
+    import pickle
+
+    import numpy as np
+
+    from notebook_accel.utils import load
+
+    saved = {"weights": torch.ones(2), "numpy_rng": np.random.RandomState(0).get_state(), "array": np.arange(3)}
+    torch.save(saved, tmp_path / "plain.pt")
+    loaded = load(tmp_path / "plain.pt")
+    assert torch.equal(loaded["weights"], torch.ones(2))
+    assert np.array_equal(loaded["numpy_rng"][1], saved["numpy_rng"][1])
+    assert np.array_equal(loaded["array"], np.arange(3))
+    torch.save({"object": Unpicklable()}, tmp_path / "object.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Unpicklable"):
+        load(tmp_path / "object.pt")
+    assert isinstance(load(tmp_path / "object.pt", weights_only=False)["object"], Unpicklable)
+
+
+class Unpicklable:
+    """A user class: plain-data loading must refuse to build it."""

@@ -151,6 +151,8 @@ _SURFACE = {
             "get_grad_scaler",
             "compile_regions",
             "align_module_device",
+            "get_gpu_info",
+            "load",
         )
     },
     **{name: "main_process" for name in ("save", "tqdm", "clean_state_dict_for_safetensors")},

@@ -256,3 +256,36 @@ def align_module_device(module: torch.nn.Module, execution_device=None):
                 set_module_tensor_to_device(module, name, device)
     else:
         yield
+
+
+def get_gpu_info() -> tuple:
+    """(names, count) of the CUDA GPUs this process can use, found without initialising CUDA
+    (accelerate asks nvidia-smi); ([], 0) where there are none."""
+    from . import current
+
+    names = [device.name for device in current.accelerators() if device.kind == "cuda"]
+    return names, len(names)
+
+
+def _numpy_globals() -> list:
+    """What numpy arrays and RNG states need to unpickle: allowed by `load` with weights_only."""
+    import codecs
+
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode]
+    dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25: one class per dtype
+    if dtypes is not None:
+        allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
+    return allowed
+
+
+def load(f, map_location=None, **kwargs):
+    """torch.load of plain data: weights_only=True unless asked otherwise, with numpy arrays and RNG
+    states allowed; a file holding other Python objects is refused (pickle.UnpicklingError naming them)."""
+    kwargs.setdefault("weights_only", True)
+    if not kwargs["weights_only"]:
+        return torch.load(f, map_location=map_location, **kwargs)
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(f, map_location=map_location, **kwargs)

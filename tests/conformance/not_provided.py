@@ -261,11 +261,10 @@ GROUPS = {
             "rich",
         ],
     ),
-    "not_yet": (
-        "not yet: worth having on CPU/GPU, not written yet",
+    "operations_next": (
+        "not yet: more of utils.operations (debug-mode shape checks, device lookup, input padding), "
+        "due with the collectives' debug checks",
         [
-            "accelerator.Accelerator.register_save_state_pre_hook",
-            "accelerator.Accelerator.register_load_state_pre_hook",
             "utils.operations.CannotPadNestedTensorWarning",
             "utils.CannotPadNestedTensorWarning",
             "utils.operations.TENSOR_INT_TO_DTYPE",
@@ -277,10 +276,15 @@ GROUPS = {
             "utils.find_device",
             "utils.operations.pad_input_tensors",
             "utils.pad_input_tensors",
+        ],
+    ),
+    "not_yet": (
+        "not yet: worth having on CPU/GPU, not written yet",
+        [
+            "accelerator.Accelerator.register_save_state_pre_hook",
+            "accelerator.Accelerator.register_load_state_pre_hook",
             "utils.get_mixed_precision_context_manager",
             "utils.modeling.get_mixed_precision_context_manager",
-            "utils.get_gpu_info",
-            "utils.load",
             "utils.dataclasses.TensorInformation",
             "utils.extract_model_from_parallel",
         ],

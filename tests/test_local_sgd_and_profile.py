@@ -133,3 +133,34 @@ def test_init_process_group_kwargs_choose_backend_rendezvous_and_timeout(tmp_pat
         assert out["file_used"] is True  # the file:// rendezvous, not MASTER_ADDR/PORT
         if out["timeout"] is not None:
             assert out["timeout"] == timedelta(seconds=55)
+
+
+# -- multi_device, verify_device_map --------------------------------------------------------------
+
+
+def test_multi_device_means_several_processes_on_accelerator_devices():
+    from types import SimpleNamespace
+
+    from notebook_accel.accelerator_tools import AcceleratorTools
+    from notebook_accel.utils import DistributedType
+
+    assert Accelerator(cpu=True).multi_device is False
+    ask = AcceleratorTools.multi_device.fget
+    assert ask(SimpleNamespace(use_distributed=True, distributed_type=DistributedType.MULTI_GPU)) is True
+    assert ask(SimpleNamespace(use_distributed=True, distributed_type=DistributedType.MULTI_NPU)) is True
+    assert ask(SimpleNamespace(use_distributed=True, distributed_type=DistributedType.MULTI_CPU)) is False
+    assert ask(SimpleNamespace(use_distributed=True, distributed_type=DistributedType.XLA)) is False
+    assert ask(SimpleNamespace(use_distributed=False, distributed_type=DistributedType.MULTI_GPU)) is False
+
+
+def test_verify_device_map_sees_a_model_dispatched_over_several_devices(tmp_path):
+    from notebook_accel.big_modeling import dispatch_model
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert accelerator.verify_device_map(model) is False
+    dispatch_model(model, device_map={"0": "cpu", "1": "disk"}, offload_dir=str(tmp_path))
+    assert accelerator.verify_device_map(model) is True
+    one_device = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    dispatch_model(one_device, device_map={"": "cpu"})
+    assert accelerator.verify_device_map(torch.nn.Sequential(one_device)) is False

@@ -612,3 +612,22 @@ def test_load_reads_plain_data_and_numpy_states_and_refuses_objects(tmp_path):
 
 class Unpicklable:
     """A user class: plain-data loading must refuse to build it."""
+
+
+# -- Accelerator.autocast with AutocastKwargs -----------------------------------------------------
+
+
+def test_autocast_kwargs_reach_accelerator_autocast():
+    from notebook_accel import Accelerator
+    from notebook_accel.utils import AutocastKwargs
+
+    a, b = torch.ones(4, 4), torch.ones(4, 4)
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    with accelerator.autocast():
+        assert torch.mm(a, b).dtype == torch.bfloat16
+    with accelerator.autocast(AutocastKwargs(enabled=False)):
+        assert torch.mm(a, b).dtype == torch.float32
+    AcceleratorState._reset_state(reset_partial_state=True)
+    off = Accelerator(mixed_precision="bf16", cpu=True, kwargs_handlers=[AutocastKwargs(enabled=False)])
+    with off.autocast():
+        assert torch.mm(a, b).dtype == torch.float32

@@ -21,7 +21,6 @@ from surface import resolve  # noqa: E402
 PENDING = {
     "utils.copy_tensor_to_devices",
     "utils.operations.copy_tensor_to_devices",
-    "utils.operations.DistributedOperationException",
     "accelerator.Accelerator.trigger_sync_in_backward",
     "DDPCommunicationHookType",
     "utils.DDPCommunicationHookType",

@@ -44,6 +44,14 @@ _EXPORTS = {
     "unload_ipython_extension": "jupyter",
     "hardware_widget": "jupyter",
 }
+# accelerate's other top-level names (the public-surface test lists them).
+_EXPORTS.update(
+    {
+        "ProfileKwargs": "utils.dataclasses",
+        "is_rich_available": "utils.imports",
+        "load_checkpoint_in_model": "utils.modeling",
+    }
+)
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from . import model_wrapping, precision
+from .accelerator_tools import AcceleratorTools
 from .state import AcceleratorState, GradientState
 from .utils import operations as ops
 from .utils.dataclasses import (
@@ -39,7 +40,7 @@ def _forward(owner: str, name: str, settable: bool = False) -> property:
     return property(get, set_ if settable else None, doc=f"`self.{owner}.{name}`")
 
 
-class Accelerator:
+class Accelerator(AcceleratorTools):
     """Add `Accelerator()`, `prepare(...)` and `backward(loss)` to an existing loop; the same code
     then runs on 1 or N processes, in fp32, bf16 or fp16."""
 
@@ -82,6 +83,7 @@ class Accelerator:
         self.scaler_handler = handlers.get(GradScalerKwargs)
         self.init_handler = handlers.get(InitProcessGroupKwargs)
         self.autocast_handler = handlers.get(AutocastKwargs)
+        self._set_profile_handler(handlers)
 
         if dynamo_plugin is not None and dynamo_backend is not None:
             raise ValueError("Pass either dynamo_backend or dynamo_plugin, not both.")

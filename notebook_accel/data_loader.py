@@ -546,3 +546,12 @@ def override_even_batches(loaders: Iterable, even_batches: Optional[bool]):
     finally:
         for sampler, value in changed:
             sampler.even_batches = value
+
+
+def get_sampler(dataloader: DataLoader):
+    """The sampler that orders `dataloader`'s samples (the one inside its batch sampler), or None."""
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(f"get_sampler takes a torch DataLoader, not {type(dataloader).__name__}.")
+    if isinstance(dataloader.sampler, BatchSampler):  # a batch sampler passed as sampler=
+        return getattr(dataloader.sampler, "sampler", None)
+    return getattr(dataloader.batch_sampler, "sampler", None)

@@ -161,6 +161,11 @@ def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Modu
     return module
 
 
+def remove_hook_from_submodules(module: nn.Module) -> None:
+    """Detach the hooks of `module` and of every module below it (`remove_hook_from_module(recurse=True)`)."""
+    remove_hook_from_module(module, recurse=True)
+
+
 def _find_device(data) -> Optional[torch.device]:
     """The device of the first tensor found in a nested structure."""
     if isinstance(data, torch.Tensor):

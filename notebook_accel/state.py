@@ -49,7 +49,9 @@ class SharedDict:
         self.__get__(None).clear()
 
 
-def _init_process_group(backend: str, env, timeout: Optional[datetime.timedelta]) -> None:
+def _init_process_group(
+    backend: str, env, timeout: Optional[datetime.timedelta], init_method: Optional[str] = None
+) -> None:
     import torch.distributed as dist
 
     if env.master_addr is None or env.master_port is None:
@@ -67,8 +69,10 @@ def _init_process_group(backend: str, env, timeout: Optional[datetime.timedelta]
     kwargs = {"backend": backend, "rank": env.rank, "world_size": env.world_size}
     if timeout is not None:
         kwargs["timeout"] = timeout
+    if init_method is not None:  # InitProcessGroupKwargs(init_method=...): the user's rendezvous
+        kwargs["init_method"] = init_method
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if init_method is None and attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torch's static rendezvous keeps one agent store across restarts with no per-attempt
         # prefix, so a restarted rank can read a dead peer's address and fail to connect.
         store = dist.TCPStore(
@@ -161,7 +165,9 @@ class PartialState(_Borg):
             import torch.distributed as dist
 
             if not dist.is_initialized():
-                _init_process_group(placement.backend, env, kwargs.pop("timeout", None))
+                _init_process_group(
+                    placement.backend, env, kwargs.pop("timeout", None), kwargs.pop("init_method", None)
+                )
         self.set_device()
 
     # -- identity -------------------------------------------------------------------------
@@ -410,16 +416,9 @@ class AcceleratorState(_Borg):
         self.use_ipex = False
 
     def __getattr__(self, name: str):
-        # Only reached for names not set on the shared dict: delegate the PartialState surface.
+        # Only reached for names not set on the shared dict nor defined on the class.
         if not self.__dict__ and not name.startswith("__"):
-            # Never created, or cleared under an existing Accelerator (which then must not go on).
-            raise AttributeError(
-                f"`AcceleratorState` object has no attribute `{name}` yet. This happens if "
-                "`AcceleratorState._reset_state()` was called after it was created, or before any "
-                "AcceleratorState() or Accelerator() was: create a new Accelerator() and use that."
-            )
-        if name in AcceleratorState._partial_attrs:
-            return getattr(self._partial, name)
+            raise AttributeError(_not_created(name))
         raise AttributeError(f"'AcceleratorState' object has no attribute {name!r}")
 
     def destroy_process_group(self, group=None) -> None:
@@ -444,6 +443,52 @@ class AcceleratorState(_Borg):
             PartialState._reset_state()
 
 
+def _from_partial(name: str) -> property:
+    """An AcceleratorState attribute that is its PartialState's (one object answers for both)."""
+
+    def get(self):
+        if not self.__dict__:
+            raise AttributeError(_not_created(name))
+        if name in self.__dict__:  # set on this state (e.g. distributed_type for FSDP): it shadows
+            return self.__dict__[name]
+        return getattr(self._partial, name)
+
+    def set_(self, value) -> None:
+        self.__dict__[name] = value
+
+    def delete(self) -> None:  # back to the PartialState's value
+        self.__dict__.pop(name, None)
+
+    return property(get, set_, delete, doc=f"PartialState().{name}")
+
+
+def _not_created(name: str) -> str:
+    # Never created, or cleared under an existing Accelerator (which then must not go on).
+    return (
+        f"`AcceleratorState` object has no attribute `{name}` yet. This happens if "
+        "`AcceleratorState._reset_state()` was called after it was created, or before any "
+        "AcceleratorState() or Accelerator() was: create a new Accelerator() and use that."
+    )
+
+
+for _name in AcceleratorState._partial_attrs:
+    if _name not in AcceleratorState.__dict__:  # destroy_process_group is its own method
+        setattr(AcceleratorState, _name, _from_partial(_name))
+
+
+def _shared(name: str) -> property:
+    """A GradientState attribute kept in the shared dict under its own name (a property, so the
+    class lists it as accelerate's does)."""
+
+    def get(self):
+        return self.__dict__[name]
+
+    def set_(self, value) -> None:
+        self.__dict__[name] = value
+
+    return property(get, set_)
+
+
 class GradientState(_Borg):
     """Whether gradients sync on this step, and which dataloader is running (for accumulation)."""
 
@@ -465,6 +510,9 @@ class GradientState(_Borg):
             f"Sync Gradients: {self.sync_gradients}\nAt end of current dataloader: {self.end_of_dataloader}\n"
             f"Extra samples added: {self.remainder}\nGradient accumulation plugin: {self.plugin_kwargs}\n"
         )
+
+    active_dataloader = _shared("active_dataloader")
+    dataloader_references = _shared("dataloader_references")
 
     @property
     def num_steps(self) -> int:
@@ -508,6 +556,16 @@ class GradientState(_Borg):
     @staticmethod
     def _reset_state() -> None:
         GradientState._shared_state.clear()
+
+
+def is_initialized() -> bool:
+    """An AcceleratorState exists in this process (an Accelerator was created)."""
+    return bool(AcceleratorState._shared_state)
+
+
+def do_nothing(*args, **kwargs) -> None:
+    """Takes anything, does nothing: the stand-in for a decorated function on the other processes."""
+    return None
 
 
 # Collectives in utils/ reach the state through this (they may not import this module).

@@ -26,7 +26,7 @@ def _is_main_process() -> bool:
 def _main_only(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        if self.main_process_only and not _is_main_process():
+        if getattr(self, "main_process_only", False) and not _is_main_process():
             return None
         return method(self, *args, **kwargs)
 
@@ -226,7 +226,7 @@ def filter_trackers(log_with, logging_dir: Optional[str] = None) -> list:
         if name == "all":
             resolved.extend(cls for cls, available in TRACKERS.values() if available())
             continue
-        if name in _NOT_BUILT_IN:
+        if name in _NOT_BUILT_IN and name not in TRACKERS:
             raise ValueError(
                 f"log_with={name!r} is not built into notebook_accel. Subclass notebook_accel.tracking.GeneralTracker "
                 f"around {name} and pass an instance, or use one of {sorted(TRACKERS)}."
@@ -280,3 +280,34 @@ def make_trackers(
             tracker.store_init_configuration(config)
         built.append(tracker)
     return built
+
+
+def on_main_process(function):
+    """Decorate a tracker method so it runs only on the main process when the tracker's
+    `main_process_only` is True (GeneralTracker subclasses get this for log, store_init_configuration
+    and finish already)."""
+    return _main_only(function)
+
+
+def get_available_trackers() -> list:
+    """The names `log_with` accepts here: built-in trackers whose package is installed, and registered ones."""
+    return [name for name, (_, available) in TRACKERS.items() if available()]
+
+
+def register_tracker_class(tracker_class) -> None:
+    """Make a GeneralTracker subclass usable by its `name` in `Accelerator(log_with=...)`.
+
+    It is built as `tracker_class(run_name, logging_dir, **init_kwargs[name])`; a class with
+    `requires_logging_directory` needs a logging folder. Registering an existing name replaces it,
+    with a warning.
+    """
+    if not (isinstance(tracker_class, type) and issubclass(tracker_class, GeneralTracker)):
+        raise ValueError(f"register_tracker_class takes a GeneralTracker subclass, got {tracker_class!r}")
+    name = getattr(tracker_class, "name", None)
+    if not isinstance(name, str) or not name or name in (GeneralTracker.name, "all"):
+        raise ValueError(f"{tracker_class.__name__} must set a `name` of its own (got {name!r})")
+    if name in TRACKERS:
+        import warnings
+
+        warnings.warn(f"tracker {name!r} was registered already; {tracker_class.__name__} replaces it", stacklevel=2)
+    TRACKERS[name] = (tracker_class, lambda: True)

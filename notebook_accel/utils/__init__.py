@@ -84,3 +84,96 @@ __all__ = sorted(
 
 
 __getattr__ = lazy_exports(globals(), _EXPORTS)
+
+
+# -- accelerate's other public helper names (the public-surface test lists them) ---------------------
+_SURFACE = {
+    **{
+        name: "operations"
+        for name in (
+            "TensorInformation",
+            "convert_outputs_to_fp32",
+            "ignorant_find_batch_size",
+            "initialize_tensors",
+            "is_namedtuple",
+            "is_torch_tensor",
+        )
+    },
+    **{
+        name: "modeling"
+        for name in (
+            "check_device_map",
+            "check_tied_parameters_on_same_device",
+            "compute_module_sizes",
+            "dtype_byte_size",
+            "find_tied_parameters",
+            "get_balanced_memory",
+            "get_max_layer_size",
+            "get_max_memory",
+            "infer_auto_device_map",
+            "load_checkpoint_in_model",
+            "load_offloaded_weights",
+            "load_state_dict",
+            "named_module_tensors",
+            "retie_parameters",
+            "set_module_tensor_to_device",
+        )
+    },
+    **{
+        name: "offload"
+        for name in (
+            "OffloadedWeightsLoader",
+            "PrefixedDataset",
+            "extract_submodules_state_dict",
+            "load_offloaded_weight",
+            "offload_state_dict",
+            "offload_weight",
+            "save_offload_index",
+        )
+    },
+    **{name: "dataclasses" for name in ("ProfileKwargs", "LoggerType", "PROFILE_PATTERN_NAME")},
+    **{name: "versions" for name in ("compare_versions", "is_torch_version")},
+    **{
+        name: "other"
+        for name in (
+            "wait_for_everyone",
+            "is_port_in_use",
+            "get_pretty_name",
+            "merge_dicts",
+            "recursive_getattr",
+            "convert_bytes",
+            "is_compiled_module",
+            "get_module_children_bottom_up",
+            "id_tensor_storage",
+            "is_peft_model",
+            "get_current_device_type",
+            "has_compiled_regions",
+            "has_offloaded_params",
+            "check_os_kernel",
+            "check_tied_parameters_in_config",
+            "get_grad_scaler",
+            "compile_regions",
+            "align_module_device",
+            "get_gpu_info",
+            "load",
+        )
+    },
+    **{name: "main_process" for name in ("save", "tqdm", "clean_state_dict_for_safetensors")},
+    "calculate_maximum_sizes": "device_map",
+    **{
+        name: "env_flags"
+        for name in (
+            "str_to_bool",
+            "parse_flag_from_env",
+            "parse_choice_from_env",
+            "get_int_from_env",
+            "patch_environment",
+            "clear_environment",
+            "convert_dict_to_env_variables",
+            "purge_accelerate_environment",
+            "get_cpu_distributed_information",
+        )
+    },
+}
+_EXPORTS.update(_SURFACE)
+__all__ = sorted(set(__all__) | set(_SURFACE))

@@ -7,7 +7,7 @@ import enum
 import os
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 class _StrEnum(str, enum.Enum):
@@ -199,6 +199,75 @@ class InitProcessGroupKwargs(KwargsHandler):
 class AutocastKwargs(KwargsHandler):
     enabled: bool = True
     cache_enabled: Optional[bool] = None
+
+
+# The trace file `Accelerator.profile()` writes per process in ProfileKwargs.output_trace_dir.
+PROFILE_PATTERN_NAME = "profile_{suffix}.json"
+
+
+@dataclass
+class ProfileKwargs(KwargsHandler):
+    """Settings of `Accelerator.profile()`: torch.profiler's arguments, activities by name
+    ("cpu", "cuda", "xpu", "hpu", "mtia"), and a folder for one Chrome trace per process."""
+
+    activities: Optional[list] = None
+    schedule_option: Optional[dict] = None
+    on_trace_ready: Optional[Callable] = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: Optional[str] = None
+
+    def _activity(self, name):
+        import torch.profiler
+
+        kinds = torch.profiler.ProfilerActivity
+        known = {n.lower(): getattr(kinds, n) for n in ("CPU", "CUDA", "XPU", "HPU", "MTIA") if hasattr(kinds, n)}
+        if not isinstance(name, str) or name.lower() not in known:
+            raise ValueError(f"ProfileKwargs.activities: unknown activity {name!r}; use some of {sorted(known)}")
+        return known[name.lower()]
+
+    def build(self):
+        """A torch.profiler.profile with these settings (not started)."""
+        import torch.profiler
+
+        activities = None if self.activities is None else [self._activity(a) for a in self.activities]
+        schedule = None
+        if self.schedule_option is not None:
+            try:
+                schedule = torch.profiler.schedule(**self.schedule_option)
+            except TypeError as error:
+                raise ValueError(
+                    f"ProfileKwargs.schedule_option={self.schedule_option!r} is not torch.profiler.schedule's "
+                    f"arguments (wait, warmup, active, repeat, skip_first): {error}"
+                ) from None
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=self.on_trace_ready,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            with_flops=self.with_flops,
+            with_modules=self.with_modules,
+        )
+
+
+class LoggerType(_StrEnum):
+    """The tracker names `log_with` accepts in accelerate (notebook_accel builds in some; see tracking)."""
+
+    ALL = "all"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+    TRACKIO = "trackio"
 
 
 @dataclass

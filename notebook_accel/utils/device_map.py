@@ -22,6 +22,7 @@ from .modeling import (
     clean_device_map,
     compute_module_sizes,
     find_tied_parameters,
+    get_max_layer_size,
     get_max_memory,
 )
 
@@ -273,3 +274,16 @@ def get_balanced_memory(
         rest = sum(budgets[g] for g in gpus[1:])
         budgets[gpus[0]] = min(max(0, sizes.get("", 0) - rest), budgets[gpus[0]])
     return budgets
+
+
+def calculate_maximum_sizes(model: torch.nn.Module) -> tuple:
+    """(the model's size in bytes, (its largest layer's size, that layer's names)): the largest layer
+    splits no further than `model._no_split_modules` allows (transformers models set it)."""
+    sizes = compute_module_sizes(model)
+    no_split = getattr(model, "_no_split_modules", None) or []
+    top = (
+        list(model.named_parameters(recurse=False))
+        + list(model.named_children())
+        + list(model.named_buffers(recurse=False))
+    )
+    return sizes[""], get_max_layer_size(top, sizes, no_split)

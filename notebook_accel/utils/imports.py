@@ -7,8 +7,11 @@ the parent of a fork must stay fork-safe after asking what is here.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import os
+import sys
+from typing import Optional
 
 from . import current, families
 
@@ -33,14 +36,9 @@ _PACKAGES = {
     "ipywidgets": ("ipywidgets",),
     "tensorboard": ("tensorboard", "tensorboardX"),
     "wandb": ("wandb",),
-    "mlflow": ("mlflow",),
     "transformer_engine": ("transformer_engine",),
-    "torchao": ("torchao",),
     "deepspeed": ("deepspeed",),
     "ccl": ("oneccl_bindings_for_pytorch", "torch_ccl"),
-    "datasets": ("datasets",),
-    "pytest": ("pytest",),
-    "bnb": ("bitsandbytes",),
 }
 
 
@@ -104,24 +102,177 @@ def is_bf16_available(ignore_tpu: bool = False) -> bool:
     return True
 
 
-def is_fp16_available() -> bool:
-    """fp16 autocast runs on every device we support (on CPU too, through torch's CPU autocast)."""
-    return True
-
-
-def is_rocm_available() -> bool:
-    """A ROCm build of torch with an AMD GPU visible; never initialises the GPU runtime."""
-    import torch
-
-    return torch.version.hip is not None and families.family("cuda").is_available()
-
-
 def is_fp8_available() -> bool:
-    if not any(map(_has, _PACKAGES["transformer_engine"] + _PACKAGES["torchao"])):
+    if not any(map(_has, _PACKAGES["transformer_engine"] + ("torchao",))):
         return False
     if not families.family("cuda").is_available():
         return False
     return any(d.supports_fp8 for d in current.accelerators())
+
+
+# accelerate's other probes. A package counts when its module is found *and* its distribution is
+# installed (a stray folder named like a package is not the package); where accelerate needs a
+# minimum version, the installed version is compared. Nothing here imports the package.
+_DISTRIBUTIONS = {  # probe name -> (module, distribution names, minimum version or None)
+    "aim": ("aim", ("aim",), None),
+    "amdsmi": ("amdsmi", ("amdsmi",), None),
+    "boto3": ("boto3", ("boto3",), None),
+    "clearml": ("clearml", ("clearml",), None),
+    "comet_ml": ("comet_ml", ("comet_ml", "comet-ml"), None),
+    "datasets": ("datasets", ("datasets",), None),
+    "dvclive": ("dvclive", ("dvclive",), None),
+    "import_timer": ("import_timer", ("import_timer", "import-timer"), None),
+    "lomo": ("lomo_optim", ("lomo_optim", "lomo-optim"), None),
+    "matplotlib": ("matplotlib", ("matplotlib",), None),
+    "msamp": ("msamp", ("msamp", "ms-amp"), None),
+    "pandas": ("pandas", ("pandas",), None),
+    "peft": ("peft", ("peft",), None),
+    "pynvml": ("pynvml", ("pynvml", "nvidia-ml-py"), None),
+    "pytest": ("pytest", ("pytest",), None),
+    "sagemaker": ("sagemaker", ("sagemaker",), None),
+    "schedulefree": ("schedulefree", ("schedulefree",), None),
+    "swanlab": ("swanlab", ("swanlab",), None),
+    "timm": ("timm", ("timm",), None),
+    "torchdata": ("torchdata", ("torchdata",), None),
+    "torchdata_stateful_dataloader": ("torchdata", ("torchdata",), "0.8.0"),
+    "torchvision": ("torchvision", ("torchvision",), None),
+    "transformers": ("transformers", ("transformers",), None),
+    "triton": ("triton", ("triton", "pytorch-triton", "triton-xpu"), None),
+    "4bit_bnb": ("bitsandbytes", ("bitsandbytes",), "0.39.0"),
+    "8bit_bnb": ("bitsandbytes", ("bitsandbytes",), "0.37.2"),
+    "tqdm": ("tqdm", ("tqdm",), None),
+}
+
+
+def installed_version(module: str, distributions) -> Optional[str]:
+    """The version of the first of `distributions` installed, when `module` can be found; else None."""
+    if not _has(module):
+        return None
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _distribution_probe(name: str, module: str, distributions, minimum: Optional[str]):
+    def probe() -> bool:
+        found = installed_version(module, distributions)
+        if found is None:
+            return False
+        return minimum is None or _at_least(found, minimum)
+
+    probe.__name__ = probe.__qualname__ = f"is_{name}_available"
+    return probe
+
+
+def _at_least(version: str, minimum: str) -> bool:
+    from torch.torch_version import TorchVersion  # PEP 440 comparison, as torch ships it
+
+    return TorchVersion(version) >= minimum
+
+
+for _name, (_module, _dists, _minimum) in _DISTRIBUTIONS.items():
+    globals()[f"is_{_name}_available"] = _distribution_probe(_name, _module, _dists, _minimum)
+
+
+def is_bnb_available(min_version: Optional[str] = None) -> bool:
+    found = installed_version("bitsandbytes", ("bitsandbytes",))
+    return found is not None and (min_version is None or _at_least(found, min_version))
+
+
+def is_bitsandbytes_multi_backend_available() -> bool:
+    """bitsandbytes installed and built with its multi-backend feature (imports bitsandbytes to ask)."""
+    if not is_bnb_available():
+        return False
+    import bitsandbytes
+
+    return "multi_backend" in getattr(bitsandbytes, "features", set())
+
+
+def is_mlflow_available() -> bool:
+    return installed_version("mlflow", ("mlflow", "mlflow-skinny")) is not None
+
+
+def is_trackio_available() -> bool:
+    return sys.version_info >= (3, 10) and installed_version("trackio", ("trackio",)) is not None
+
+
+def is_rich_available() -> bool:
+    """rich installed and asked for (ACCELERATE_ENABLE_RICH), as accelerate decides."""
+    from .environment import parse_bool
+
+    if installed_version("rich", ("rich",)) is None:
+        return False
+    return parse_bool(os.environ.get("ACCELERATE_ENABLE_RICH", "0"))
+
+
+def is_torchao_available() -> bool:
+    found = installed_version("torchao", ("torchao",))
+    return found is not None and _at_least(found, "0.6.1")
+
+
+def is_transformer_engine_mxfp8_available() -> bool:
+    """TransformerEngine installed and saying this GPU supports MXFP8 (imports transformer_engine)."""
+    if installed_version("transformer_engine", ("transformer_engine", "transformer-engine")) is None:
+        return False
+    from transformer_engine.pytorch.fp8 import check_mxfp8_support
+
+    return bool(check_mxfp8_support()[0])
+
+
+def is_megatron_lm_available() -> bool:
+    """Megatron-LM asked for (ACCELERATE_USE_MEGATRON_LM) and megatron-core >= 0.8 installed."""
+    from .environment import parse_bool
+
+    if not parse_bool(os.environ.get("ACCELERATE_USE_MEGATRON_LM", "0")):
+        return False
+    found = installed_version("megatron", ("megatron-core",))
+    return found is not None and _at_least(found, "0.8.0") and _has("megatron.training")
+
+
+def is_pippy_available() -> bool:
+    """torch.distributed.pipelining is here (torch 2.4 and later)."""
+    return _has("torch.distributed.pipelining")
+
+
+def is_weights_only_available() -> bool:
+    """torch.load's weights_only with an allowlist (torch 2.4 and later)."""
+    import torch
+
+    return _at_least(torch.__version__, "2.4.0")
+
+
+def is_rocm_available() -> bool:
+    """This torch is a ROCm build and sees an AMD GPU (counted without initialising it)."""
+    import torch
+
+    return torch.version.hip is not None and _fork_safe_cuda_count() > 0
+
+
+def is_xccl_available() -> bool:
+    """torch.distributed has the XCCL backend (Intel GPUs)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    probe = getattr(dist.distributed_c10d, "is_xccl_available", None)
+    return bool(probe and probe())
+
+
+def is_habana_gaudi1() -> bool:
+    """An HPU is here and it is a first-generation Gaudi."""
+    if not families.family("hpu").is_available():
+        return False
+    import habana_frameworks.torch.utils.experimental as htexp
+
+    return htexp._get_device_type() == htexp.synDeviceType.synDeviceGaudi
+
+
+def is_fp16_available() -> bool:
+    """fp16 autocast works here: everywhere but a first-generation Gaudi."""
+    return not is_habana_gaudi1()
 
 
 # One probe per device family, from the family table (is_cuda_available, is_npu_available, ...);

@@ -483,6 +483,15 @@ _ELSEWHERE = {
     "load_checkpoint_in_model": "loading",
     "load_offloaded_weights": "loading",
     "load_state_dict": "loading",
+    "convert_file_size_to_int": "memory",
+    "id_tensor_storage": "other",
+    "is_peft_model": "other",
+    "has_offloaded_params": "other",
+    "check_device_same": "other",
+    "check_tied_parameters_in_config": "other",
+    "get_grad_scaler": "other",
+    "align_module_device": "other",
+    "calculate_maximum_sizes": "device_map",
 }
 
 

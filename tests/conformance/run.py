@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import wheel  # noqa: E402
+sys.path.insert(0, str(HERE.parent))
+from conformance import wheel  # noqa: E402  (a package: a bare `wheel` would shadow the real one)
 
 DISTRIBUTED = ("test_ops", "test_sync", "test_script")
 

@@ -1,0 +1,291 @@
+"""Small general helpers with accelerate's names: a barrier, module and tensor queries, dict and name
+utilities, a port probe."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import socket
+from typing import Optional
+
+import torch
+
+from .current import current_state
+from .imports import is_peft_available
+
+
+def wait_for_everyone() -> None:
+    """Barrier across all processes (`PartialState().wait_for_everyone()`); a no-op alone."""
+    state = current_state()
+    if state is not None:
+        state.wait_for_everyone()
+
+
+def is_port_in_use(port: Optional[int] = None) -> bool:
+    """Something listens on localhost:`port` (29500, torch's default rendezvous port, when None)."""
+    port = 29500 if port is None else port
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port={port!r}: pass a TCP port number between 1 and 65535")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        return probe.connect_ex(("localhost", port)) == 0
+
+
+def get_pretty_name(obj) -> str:
+    """The qualified name of a function or class, or of an object's class."""
+    if not hasattr(obj, "__qualname__") and not hasattr(obj, "__name__"):
+        obj = type(obj)
+    return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or str(obj)
+
+
+def merge_dicts(source: dict, destination: dict) -> dict:
+    """Merge `source` into `destination` in place, nested dicts key by key; returns `destination`."""
+    for key, value in source.items():
+        if isinstance(value, dict):
+            merge_dicts(value, destination.setdefault(key, {}))
+        else:
+            destination[key] = value
+    return destination
+
+
+def recursive_getattr(obj, attr: str):
+    """getattr along a dotted path: recursive_getattr(model, "encoder.layer.0")."""
+    return functools.reduce(getattr, attr.split("."), obj)
+
+
+def convert_bytes(size) -> str:
+    """A byte count in the largest unit under 1024 of it, e.g. "1.5 GB"."""
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if size < 1024.0:
+            return f"{round(size, 2)} {unit}"
+        size /= 1024.0
+    return f"{round(size, 2)} PB"
+
+
+def is_compiled_module(module) -> bool:
+    """`module` is what torch.compile returned for a module."""
+    dynamo = getattr(torch, "_dynamo", None)
+    return dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule)
+
+
+def get_module_children_bottom_up(model: torch.nn.Module, return_fqns: bool = False) -> list:
+    """Every module of `model`, children before their parents, `model` last; with `return_fqns`,
+    (dotted name, module) pairs ("" for `model`)."""
+    ordered = []
+    stack = [("", model)]
+    while stack:
+        name, module = stack.pop()
+        ordered.append((name, module))
+        for child_name, child in module.named_children():
+            stack.append((f"{name}.{child_name}" if name else child_name, child))
+    ordered.reverse()
+    return ordered if return_fqns else [module for _, module in ordered]
+
+
+def id_tensor_storage(tensor: torch.Tensor) -> tuple:
+    """(device, storage start, storage end): equal for tensors that share memory."""
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr()  # 0 for every meta tensor: they are all one (empty) storage
+    return tensor.device, start, start + storage.nbytes()
+
+
+def is_peft_model(model) -> bool:
+    """`model` (under any DDP or torch.compile wrapper) is a peft PeftModel."""
+    if not is_peft_available():
+        return False
+    from peft import PeftModel
+
+    inner = getattr(model, "_orig_mod", model)
+    while isinstance(inner, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        inner = inner.module
+    return isinstance(inner, PeftModel)
+
+
+def get_current_device_type() -> tuple:
+    """(device type, distributed type) of the first accelerator family present, found without
+    initialising a device; ("cpu", "MULTI_CPU") on a machine with none (accelerate says "cuda" there)."""
+    from . import families
+
+    for family in families.FAMILIES:
+        if family.distributed_type is None or family.name == "xla":
+            continue
+        try:
+            present = family.is_available()
+        except Exception:
+            present = False
+        if present:
+            return family.name, str(family.distributed_type)
+    return "cpu", "MULTI_CPU"
+
+
+def has_compiled_regions(module: torch.nn.Module) -> bool:
+    """Some submodule of `module` (or `module` itself, when it has children) is a torch.compile result."""
+    if not module._modules:
+        return False
+    return any(is_compiled_module(m) for m in module.modules())
+
+
+def has_offloaded_params(module: torch.nn.Module) -> bool:
+    """`module` carries an offloading hook (its weights live elsewhere between forwards), alone or
+    among a SequentialHook's hooks."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
+    return any(getattr(h, "offload", False) is True for h in hooks)
+
+
+def check_os_kernel() -> None:
+    """Warn on Linux older than 5.5, where distributed processes can hang (accelerate's check)."""
+    import platform
+    import re
+    import warnings
+
+    info = platform.uname()
+    if info.system != "Linux":
+        return
+    found = re.search(r"(\d+)\.(\d+)\.(\d+)", info.release)
+    if found and tuple(int(p) for p in found.groups()) < (5, 5, 0):
+        warnings.warn(
+            f"Linux kernel {found.group(0)} is older than 5.5.0; multi-process runs can hang on it. "
+            "Upgrade the kernel if you see processes stall.",
+            stacklevel=2,
+        )
+
+
+def check_device_same(first_device, second_device) -> bool:
+    """The two devices are the same device, a bare accelerator type meaning its index 0 ("cuda" is "cuda:0")."""
+    first, second = torch.device(first_device), torch.device(second_device)
+    if first.type != second.type:
+        return False
+    if first.type == "cpu":
+        return True
+    return (first.index or 0) == (second.index or 0)
+
+
+def check_tied_parameters_in_config(model: torch.nn.Module) -> bool:
+    """A transformers model whose config (or modules) asks for tied weights: tied word embeddings with an
+    output embedding, tied encoder and decoder, or a module with `_tie_weights`. False for other models."""
+    if "PreTrainedModel" not in [c.__name__ for c in type(model).__mro__]:
+        return False
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    word_embeddings = bool(
+        text_config is not None
+        and getattr(text_config, "tie_word_embeddings", False)
+        and model.get_output_embeddings() is not None
+    )
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False) and getattr(config, "tie_encoder_decoder", False))
+    return word_embeddings or encoder_decoder or any(hasattr(m, "_tie_weights") for m in model.modules())
+
+
+def get_grad_scaler(distributed_type=None, **kwargs):
+    """A torch.amp.GradScaler for this process's device type (its PartialState's device, else the
+    accelerator family present, else the CPU); `kwargs` go to the scaler."""
+    if str(distributed_type) == "FSDP":
+        raise NotImplementedError("FSDP's sharded grad scaler: notebook_accel trains with DDP, not FSDP")
+    state = current_state()
+    if state is not None:
+        device_type = state.device.type
+    else:
+        device_type, _ = get_current_device_type()
+    return torch.amp.GradScaler(device_type, **kwargs)
+
+
+def _is_repeated_blocks(module: torch.nn.Module) -> bool:
+    return (
+        isinstance(module, torch.nn.ModuleList) and len(module) > 0 and all(type(m) is type(module[0]) for m in module)
+    )
+
+
+def _compile_regions(module: torch.nn.Module, compile_kwargs: dict) -> torch.nn.Module:
+    if _is_repeated_blocks(module):
+        return torch.nn.ModuleList(torch.compile(block, **compile_kwargs) for block in module)
+    if not any(_is_repeated_blocks(m) for m in module.modules()):
+        return torch.compile(module, **compile_kwargs)
+    import copy
+    import types
+
+    twin = copy.copy(module)  # same parameters and attributes; its own table of children
+    for name, value in list(twin.__dict__.items()):  # methods bound to the original follow the twin
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            twin.__dict__[name] = types.MethodType(value.__func__, twin)
+    twin._modules = {}
+    for name, child in module.named_children():
+        twin.add_module(name, _compile_regions(child, compile_kwargs))
+    return twin
+
+
+def compile_regions(module: torch.nn.Module, **compile_kwargs) -> torch.nn.Module:
+    """Regional compilation: each block of a ModuleList of same-class blocks is compiled on its own
+    (one compilation, reused from the cache for the others), and the rest of the model around them;
+    a model without such blocks is compiled whole. Returns a new module sharing `module`'s parameters
+    (`._orig_mod` is `module`); `module` itself is left as it was."""
+    compiled = _compile_regions(module, compile_kwargs)
+    compiled.__dict__.setdefault("_orig_mod", module)
+    return compiled
+
+
+@contextlib.contextmanager
+def align_module_device(module: torch.nn.Module, execution_device=None):
+    """Inside, `module`'s own parameters are on one device: an offloading hook loads them (onto
+    `execution_device` if given) and offloads them again after; otherwise, with `execution_device`,
+    they are moved there and back. Without either, nothing moves."""
+    from .modeling import set_module_tensor_to_device
+
+    if has_offloaded_params(module):
+        hook = module._hf_hook
+        hooks = getattr(hook, "hooks", [hook])
+        previous = [h.execution_device for h in hooks]
+        if execution_device is not None:
+            for h in hooks:
+                h.execution_device = execution_device
+        try:
+            hook.pre_forward(module)
+            yield
+        finally:
+            hook.post_forward(module, None)
+            for h, device in zip(hooks, previous):
+                h.execution_device = device
+    elif execution_device is not None:
+        devices = {name: p.device for name, p in module.named_parameters(recurse=False)}
+        try:
+            for name in devices:
+                set_module_tensor_to_device(module, name, execution_device)
+            yield
+        finally:
+            for name, device in devices.items():
+                set_module_tensor_to_device(module, name, device)
+    else:
+        yield
+
+
+def get_gpu_info() -> tuple:
+    """(names, count) of the CUDA GPUs this process can use, found without initialising CUDA
+    (accelerate asks nvidia-smi); ([], 0) where there are none."""
+    from . import current
+
+    names = [device.name for device in current.accelerators() if device.kind == "cuda"]
+    return names, len(names)
+
+
+def _numpy_globals() -> list:
+    """What numpy arrays and RNG states need to unpickle: allowed by `load` with weights_only."""
+    import codecs
+
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode]
+    dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25: one class per dtype
+    if dtypes is not None:
+        allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
+    return allowed
+
+
+def load(f, map_location=None, **kwargs):
+    """torch.load of plain data: weights_only=True unless asked otherwise, with numpy arrays and RNG
+    states allowed; a file holding other Python objects is refused (pickle.UnpicklingError naming them)."""
+    kwargs.setdefault("weights_only", True)
+    if not kwargs["weights_only"]:
+        return torch.load(f, map_location=map_location, **kwargs)
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(f, map_location=map_location, **kwargs)

@@ -183,4 +183,7 @@ def test_a_large_result_arrives_whole_without_copies(start_method):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert all(report["checks"]), report["checks"]
-    assert report["peak_added"] < 1.2 * report["result_bytes"], report
+    # Less than one extra copy of any rank's 100 MB tensor (the old framing held three). The margin
+    # is not a tighter ratio because the allocator's one-time costs vary between machines (CI once
+    # counted 47 MB more than this machine); BENCHMARKS.md has the measured 1.01x for 1 GiB.
+    assert report["peak_added"] < report["result_bytes"] + 0.9 * (100 << 20), report

@@ -97,6 +97,9 @@ _SURFACE = {
             "initialize_tensors",
             "is_namedtuple",
             "is_torch_tensor",
+            "find_device",
+            "pad_input_tensors",
+            "CannotPadNestedTensorWarning",
         )
     },
     **{

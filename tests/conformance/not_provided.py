@@ -266,9 +266,6 @@ GROUPS = {
         [
             "accelerator.Accelerator.register_save_state_pre_hook",
             "accelerator.Accelerator.register_load_state_pre_hook",
-            "utils.get_mixed_precision_context_manager",
-            "utils.modeling.get_mixed_precision_context_manager",
-            "utils.extract_model_from_parallel",
         ],
     ),
 }

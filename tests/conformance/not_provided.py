@@ -261,13 +261,6 @@ GROUPS = {
             "rich",
         ],
     ),
-    "not_yet": (
-        "not yet: worth having on CPU/GPU, not written yet",
-        [
-            "accelerator.Accelerator.register_save_state_pre_hook",
-            "accelerator.Accelerator.register_load_state_pre_hook",
-        ],
-    ),
 }
 
 NOT_PROVIDED = {name: key for key, (_, names) in GROUPS.items() for name in names}

@@ -244,7 +244,8 @@ def _single_owner(tensor, state, caller: str) -> tuple:
 def gather_tensor_shape(tensor):
     """Every rank learns the shape and dtype of the tensor that exactly one rank holds (the others
     pass None): returns (shape as a 1-d int64 tensor on this process's device, the dtype's code in
-    TENSOR_TYPE_TO_INT). Dtypes without a code raise TypeError; copy_tensor_to_devices takes any."""
+    TENSOR_TYPE_TO_INT). Dtypes without a code raise TypeError; copy_tensor_to_devices takes any.
+    (accelerate 1.15 gives the sizes as an int32 column of shape (ndim, 1) and drops sizes of 0.)"""
     state = _active_state()
     if state is None:
         if not is_torch_tensor(tensor):

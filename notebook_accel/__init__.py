@@ -60,11 +60,17 @@ __getattr__ = lazy_exports(globals(), _EXPORTS)
 
 
 # The composition root. The floor (utils/) may not import state or hardware, yet collectives need
-# the process's state and device-map planning the machine: lend them, imported on first use.
+# the process's state (and autocast helpers its AcceleratorState) and device-map planning the machine: lend them, imported on first use.
 def _state():
     from .state import PartialState
 
     return PartialState()
+
+
+def _accelerator_state():
+    from .state import AcceleratorState
+
+    return AcceleratorState()
 
 
 def _machine():
@@ -74,6 +80,7 @@ def _machine():
 
 
 _current.register_state_provider(_state)
+_current.register_accelerator_state_provider(_accelerator_state)
 _current.register_machine_provider(_machine)
 
 if "ipykernel" in sys.modules:  # in a kernel: launches get the live panel and `Cell In[N]` labels

@@ -1,11 +1,15 @@
 """Accelerator methods that ask about the run rather than drive it: `profile()`, `multi_device`,
-`verify_device_map()`. A mixin of `Accelerator`, kept apart so the facade stays thin."""
+`verify_device_map()`, and the save / load state pre-hooks' registry. A mixin of `Accelerator`,
+kept apart so the facade stays thin."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional
+from collections import OrderedDict
+from typing import Callable, Optional
+
+from torch.utils.hooks import RemovableHandle
 
 from .utils.dataclasses import PROFILE_PATTERN_NAME, DistributedType, ProfileKwargs
 
@@ -49,3 +53,39 @@ class AcceleratorTools:
         """`model` (or a submodule) was dispatched over more than one device by a device map
         (big-model inference); such a model must not be prepared for data-parallel training."""
         return any(len(getattr(m, "hf_device_map", None) or {}) > 1 for m in model.modules())
+
+    # -- save_state / load_state pre-hooks (checkpointing.py calls them) ----------------------------
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Have save_state call `hook(models, weights, output_dir)` on every process before it writes.
+
+        `models` are the prepared models, `weights` their state dicts in a list the hook may edit
+        (change a dict; remove one to save that model another way, and remove its model in the
+        load pre-hook too). `output_dir` is the folder being written: it becomes the checkpoint's
+        folder only once the save completes, so files the hook writes there are saved with it.
+        Returns a handle; `handle.remove()` unregisters the hook.
+        """
+        return self._add_state_pre_hook("save", hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Have load_state call `hook(models, input_dir)` on every process before it loads anything.
+
+        `models` is a list of the prepared models: remove one to load it yourself, and load_state
+        leaves it alone. `input_dir` is the checkpoint's folder. Returns a handle to remove it by.
+        """
+        return self._add_state_pre_hook("load", hook)
+
+    def _state_pre_hooks(self, kind: str) -> OrderedDict:
+        # accelerate's attribute names; made on first use, so Accelerator.__init__ need not know.
+        return self.__dict__.setdefault(f"_{kind}_model_state_pre_hook", OrderedDict())
+
+    def _add_state_pre_hook(self, kind: str, hook) -> RemovableHandle:
+        if not callable(hook):
+            raise TypeError(f"register_{kind}_state_pre_hook takes a function, got {hook!r}.")
+        hooks = self._state_pre_hooks(kind)
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
+
+    def _run_state_pre_hooks(self, kind: str, *args) -> None:
+        for hook in list(self._state_pre_hooks(kind).values()):
+            hook(*args)

@@ -167,6 +167,7 @@ def save_accelerator_state(
     save_on_each_node: bool = False,
     is_main_process: Optional[bool] = None,
     wait_for_everyone: Optional[Callable[[], None]] = None,
+    before_writing: Optional[Callable[[str], None]] = None,
 ) -> str:
     """Save a training run's state to `output_dir` atomically; returns its absolute path.
 
@@ -174,6 +175,7 @@ def save_accelerator_state(
     with save_on_each_node, and every rank that names a folder of its own) writes the shared pieces
     and swaps the folder in; every process writes its RNG states and its loaders' positions.
     `model_states` holds state dicts (or models). Loaders without `state_dict` are skipped.
+    `before_writing(folder)` runs on every process once the new folder exists, before it is written.
     """
     output_dir = os.path.abspath(output_dir)
     writer = (
@@ -200,6 +202,8 @@ def save_accelerator_state(
                 f"{staging} is not visible from rank {process_index}: without a shared filesystem across nodes, "
                 "pass save_on_each_node=True, or give each rank a folder of its own."
             )
+        if before_writing is not None:
+            before_writing(staging)
         if writer:
             _write_shared(
                 staging, model_states, optimizers, schedulers, scaler, custom_objects, safe_serialization
@@ -520,9 +524,10 @@ def save_state(accelerator, output_dir: Optional[str] = None, safe_serialization
         )
     acc = accelerator
     writer = folder_writer(output_dir, acc.process_index, acc.num_processes, config.save_on_each_node)
+    models, weights = list(acc._models), [acc.get_state_dict(m) for m in acc._models]
     path = save_accelerator_state(
         output_dir,
-        [acc.get_state_dict(m) for m in acc._models],
+        weights,
         acc._optimizers,
         acc._schedulers,
         acc._dataloaders,
@@ -534,6 +539,7 @@ def save_state(accelerator, output_dir: Optional[str] = None, safe_serialization
         save_on_each_node=config.save_on_each_node,
         is_main_process=writer,
         wait_for_everyone=acc.wait_for_everyone,
+        before_writing=lambda folder: acc._run_state_pre_hooks("save", models, weights, folder),
     )
     if config.automatic_checkpoint_naming:
         config.iteration += 1
@@ -565,10 +571,11 @@ def load_state(
         if not saved:
             raise FileNotFoundError(f"No checkpoint to load under {config.project_dir}/checkpoints.")
         input_dir = saved[-1]
-    acc = accelerator
+    acc, models = accelerator, list(accelerator._models)
+    acc._run_state_pre_hooks("load", models, find_checkpoint(input_dir) or input_dir)
     load_accelerator_state(
         input_dir,
-        [acc.unwrap_model(m) for m in acc._models],
+        [acc.unwrap_model(m) for m in models],
         acc._optimizers,
         acc._schedulers,
         acc._dataloaders,

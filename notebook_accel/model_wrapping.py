@@ -11,13 +11,13 @@ import warnings
 
 import torch
 
-from . import precision
 from .utils.dataclasses import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     DistributedType,
     TorchDynamoPlugin,
 )
+from .utils.other import extract_model_from_parallel
 
 # The distributed types whose models train under DistributedDataParallel.
 DDP_TYPES = (
@@ -189,15 +189,7 @@ def join_uneven_inputs(joinables, state, enable: bool):
 def unwrap_model(model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
     """The user's module: without DDP (and torch.compile unless keep_torch_compile and it wraps
     the module directly); keep_fp32_wrapper=False also restores the original forward."""
-    compiled = getattr(model, "_orig_mod", None)
-    inner = compiled if compiled is not None else model
-    while isinstance(inner, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        inner = inner.module
-    if not keep_fp32_wrapper:
-        precision.restore_forward(inner)
-    if keep_torch_compile and compiled is not None and inner is compiled:
-        return model
-    return inner
+    return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
 
 @contextlib.contextmanager

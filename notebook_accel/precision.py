@@ -17,6 +17,7 @@ import torch
 
 from .utils.dataclasses import AutocastKwargs, GradScalerKwargs, parse_mixed_precision
 from .utils.operations import convert_to_fp32
+from .utils.other import restore_original_forward
 
 DeviceLike = Union[torch.device, str]
 
@@ -233,15 +234,9 @@ def patch_forward_for_autocast(
 def restore_forward(model: torch.nn.Module) -> torch.nn.Module:
     """Give `model` back the forward it had before `patch_forward_for_autocast` (no-op if unpatched)."""
     patched = model.__dict__.get("forward")
-    if not isinstance(patched, AutocastForward):
-        return model
-    del model.__dict__["forward"]
-    model.__dict__.pop("_original_forward", None)
-    if not patched.bound or patched.function is not getattr(
-        type(model).forward, "__func__", type(model).forward
-    ):
-        # The original was itself an instance attribute (a hook, say): put it back as it was.
-        model.forward = patched.original
+    if isinstance(patched, AutocastForward):
+        model.__dict__.setdefault("_original_forward", patched.original)
+        restore_original_forward(model)
     return model
 
 

@@ -75,3 +75,33 @@ def init_kwargs_run(rendezvous_file: str) -> dict:
         out["timeout"] = None
     accelerator.wait_for_everyone()
     return out
+
+
+def state_pre_hooks_run(folder: str) -> dict:
+    """Save with a pre-hook that edits the weights and, on the main process, writes a file into the
+    folder being written; then load with a pre-hook that reads it. Report what each hook saw."""
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator()
+    model = accelerator.prepare(torch.nn.Linear(2, 1))
+    rank = accelerator.process_index
+    seen = {"rank": rank}
+
+    def save_hook(models, weights, output_dir):
+        seen["save"] = (len(models), sorted(weights[0]), os.path.basename(output_dir), os.path.isdir(output_dir))
+        weights[0]["bias"] = torch.tensor([7.0])
+        if accelerator.is_main_process:
+            with open(os.path.join(output_dir, "extra.txt"), "w") as f:
+                f.write("written by the hook")
+
+    def load_hook(models, input_dir):
+        with open(os.path.join(input_dir, "extra.txt")) as f:
+            seen["load"] = (len(models), input_dir == os.path.abspath(folder), f.read())
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    accelerator.save_state(folder)
+    seen["files"] = sorted(os.listdir(folder))
+    accelerator.load_state(folder)
+    seen["bias"] = accelerator.unwrap_model(model).bias.tolist()
+    return seen

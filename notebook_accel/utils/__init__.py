@@ -97,6 +97,9 @@ _SURFACE = {
             "initialize_tensors",
             "is_namedtuple",
             "is_torch_tensor",
+            "find_device",
+            "pad_input_tensors",
+            "CannotPadNestedTensorWarning",
         )
     },
     **{
@@ -152,6 +155,8 @@ _SURFACE = {
             "check_os_kernel",
             "check_tied_parameters_in_config",
             "get_grad_scaler",
+            "get_mixed_precision_context_manager",
+            "extract_model_from_parallel",
             "compile_regions",
             "align_module_device",
             "get_gpu_info",

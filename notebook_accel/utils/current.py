@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 _state_provider: Optional[Callable] = None
+_accelerator_state_provider: Optional[Callable] = None
 _machine_provider: Optional[object] = None
 
 
@@ -18,6 +19,12 @@ def register_state_provider(provider: Callable) -> None:
     """`provider()` returns the process's PartialState, creating it on first use (state.py)."""
     global _state_provider
     _state_provider = provider
+
+
+def register_accelerator_state_provider(provider: Callable) -> None:
+    """`provider()` returns the process's AcceleratorState, creating it on first use (the package root)."""
+    global _accelerator_state_provider
+    _accelerator_state_provider = provider
 
 
 def register_machine_provider(machine) -> None:
@@ -44,6 +51,14 @@ def current_state():
         "This process is part of a multi-process job but has no PartialState yet: create "
         "PartialState() or Accelerator() before calling a collective."
     )
+
+
+def current_accelerator_state():
+    """The process's AcceleratorState (its mixed precision on top of the PartialState), created from
+    the environment on first use, as accelerate's `AcceleratorState()` is."""
+    if _accelerator_state_provider is None:
+        raise RuntimeError("No AcceleratorState is lent to utils/: import notebook_accel, whose root lends it.")
+    return _accelerator_state_provider()
 
 
 def _process_group_exists() -> bool:

@@ -7,7 +7,10 @@ import enum
 import os
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:  # annotations only: this module imports no torch
+    import torch
 
 
 class _StrEnum(str, enum.Enum):
@@ -95,6 +98,16 @@ def parse_mixed_precision(value) -> str:
 
 
 # -- configuration records (accelerate's names and defaults) -----------------------------------
+
+
+@dataclass
+class TensorInformation:
+    """A tensor's shape and dtype, standing in for it where only its layout travels (debug checks,
+    receiving a broadcast)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
 
 
 class KwargsHandler:

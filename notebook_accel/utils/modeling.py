@@ -490,6 +490,7 @@ _ELSEWHERE = {
     "check_device_same": "other",
     "check_tied_parameters_in_config": "other",
     "get_grad_scaler": "other",
+    "get_mixed_precision_context_manager": "other",
     "align_module_device": "other",
     "calculate_maximum_sizes": "device_map",
 }

@@ -1,240 +1,70 @@
-"""Nested-structure helpers and the collectives a training loop calls (accelerate's names).
+"""The collectives a training loop calls (accelerate's names), and their debug-mode checks.
 
 Every collective works on tensors nested in lists, tuples (namedtuples too), and mappings. In a
 single process each one returns its input (reduce returns a copy, so callers may modify it, and
 gather_object a list, as it does across ranks).
 With `ACCELERATE_DEBUG_MODE=1`, gather / reduce / broadcast first compare every rank's shapes
 and raise `DistributedOperationException` on all ranks instead of hanging.
+The nested-structure helpers live in `structures.py`; they are importable from here too, as in
+accelerate.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass
+import warnings
 from numbers import Integral
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from . import families
 from .current import current_state
-from .dataclasses import DistributedType
+from .dataclasses import DistributedType, TensorInformation
+from .structures import (  # noqa: F401  (accelerate's names at accelerate's path)
+    ConvertOutputsToFp32,
+    concatenate,
+    convert_outputs_to_fp32,
+    convert_to_fp32,
+    find_batch_size,
+    find_device,
+    get_data_structure,
+    get_shape,
+    honor_type,
+    ignorant_find_batch_size,
+    initialize_tensors,
+    is_namedtuple,
+    is_tensor_information,
+    is_torch_tensor,
+    listify,
+    pad_input_tensors,
+    recursively_apply,
+    send_to_device,
+    slice_tensors,
+)
 
 
 class DistributedOperationException(Exception):
     """A collective was called with inputs that cannot work together across ranks."""
 
 
-@dataclass
-class TensorInformation:
-    shape: torch.Size
-    dtype: torch.dtype
+class CannotPadNestedTensorWarning(UserWarning):
+    """pad_across_processes met a nested (ragged) tensor, which it leaves as it is."""
 
 
-def is_torch_tensor(tensor) -> bool:
-    return isinstance(tensor, torch.Tensor)
-
-
-def is_tensor_information(tensor_info) -> bool:
-    return isinstance(tensor_info, TensorInformation)
-
-
-def is_namedtuple(data) -> bool:
-    return isinstance(data, tuple) and hasattr(data, "_asdict") and hasattr(data, "_fields")
-
-
-def honor_type(obj, generator):
-    """Build a sequence of `obj`'s type from `generator` (namedtuples take positional fields)."""
-    if is_namedtuple(obj):
-        return type(obj)(*list(generator))
-    return type(obj)(generator)
-
-
-def _rebuild_mapping(original: Mapping, items: dict):
-    # type(m)(dict) fails for defaultdict and for mappings with other constructors.
-    if isinstance(original, defaultdict):
-        return type(original)(original.default_factory, items)
-    try:
-        return type(original)(items)
-    except TypeError:
-        return dict(items)
-
-
-def recursively_apply(func, data, *args, test_type=is_torch_tensor, error_on_other_type=False, **kwargs):
-    """Apply `func(leaf, *args, **kwargs)` to every leaf of `data` that passes `test_type`.
-
-    Lists, tuples and mappings are rebuilt with their own type; other leaves are returned as they
-    are, or raise TypeError with `error_on_other_type=True`.
-    """
-
-    def recurse(item):
-        return recursively_apply(
-            func, item, *args, test_type=test_type, error_on_other_type=error_on_other_type, **kwargs
-        )
-
-    if isinstance(data, (tuple, list)):
-        return honor_type(data, (recurse(o) for o in data))
-    if isinstance(data, Mapping):
-        return _rebuild_mapping(data, {k: recurse(v) for k, v in data.items()})
-    if test_type(data):
-        return func(data, *args, **kwargs)
-    if error_on_other_type:
-        name = getattr(func, "__name__", repr(func))
-        raise TypeError(
-            f"Unsupported type {type(data).__name__} passed to {name}: only tensors nested in "
-            f"lists, tuples and dicts (leaves passing {getattr(test_type, '__name__', test_type)}) are accepted."
-        )
-    return data
-
-
-def send_to_device(tensor, device, non_blocking: bool = False, skip_keys=None):
-    """Move every tensor (and any object with `.to()`) in a nested structure to `device`.
-
-    Mapping keys in `skip_keys` (a name or a list of names) are left where they are.
-    """
-    if isinstance(skip_keys, str):
-        skip_keys = [skip_keys]
-    skip_keys = list(skip_keys or [])
-    recurse = functools.partial(send_to_device, device=device, non_blocking=non_blocking, skip_keys=skip_keys)
-    # A mapping with its own .to() (a tokenizer's BatchEncoding) moves itself, unless keys must stay.
-    if isinstance(tensor, Mapping) and skip_keys:
-        return _rebuild_mapping(tensor, {k: v if k in skip_keys else recurse(v) for k, v in tensor.items()})
-    if is_torch_tensor(tensor) or hasattr(tensor, "to"):
-        device = _normalise_device(device)
-        try:
-            return tensor.to(device, non_blocking=non_blocking)
-        except TypeError:  # a .to() without non_blocking
-            return tensor.to(device)
-    if isinstance(tensor, (tuple, list)):
-        return honor_type(tensor, (recurse(t) for t in tensor))
-    if isinstance(tensor, Mapping):
-        return _rebuild_mapping(tensor, {k: recurse(v) for k, v in tensor.items()})
-    return tensor
-
-
-def _normalise_device(device):
-    # Some vendor plugins (torch_npu, early xpu) cannot resolve a bare family name before first use.
-    if isinstance(device, str) and device in families.names() and families.family(device).needs_index:
-        return f"{device}:0"
-    return device
-
-
-def get_data_structure(data):
-    """The same structure with each tensor replaced by its TensorInformation (shape, dtype)."""
-    return recursively_apply(lambda t: TensorInformation(shape=t.shape, dtype=t.dtype), data)
-
-
-def get_shape(data):
-    return recursively_apply(lambda t: list(t.shape), data)
-
-
-def initialize_tensors(data_structure):
-    """Empty tensors shaped like a `get_data_structure` result (for receiving a broadcast)."""
-    return recursively_apply(
-        lambda info: torch.empty(*info.shape, dtype=info.dtype),
-        data_structure,
-        test_type=is_tensor_information,
-    )
-
-
-def _first_batch_dim(data):
-    # Depth-first, in order; non-tensors and 0-d tensors have no batch dimension to offer.
-    if isinstance(data, (tuple, list)):
-        items = data
-    elif isinstance(data, Mapping):
-        items = data.values()
-    elif is_torch_tensor(data):
-        return data.shape[0] if data.ndim > 0 else None
-    else:
-        return None
-    for item in items:
-        found = _first_batch_dim(item)
-        if found is not None:
-            return found
-    return None
-
-
-def find_batch_size(data) -> int:
-    """The first dimension of the first tensor (with at least one dimension) in `data`."""
-    if isinstance(data, (tuple, list, Mapping)) and len(data) == 0:
-        raise ValueError(f"Cannot find the batch size of an empty {type(data).__name__}.")
-    found = _first_batch_dim(data)
-    if found is None:
-        raise TypeError(
-            f"Cannot find a batch size in {type(data).__name__}: it holds no tensor with a batch dimension "
-            "(find_batch_size looks for the first tensor of at least one dimension in lists, tuples and dicts)."
-        )
-    return found
-
-
-def ignorant_find_batch_size(data):
-    """find_batch_size, or None where there is none to find."""
-    try:
-        return find_batch_size(data)
-    except (ValueError, TypeError):
-        return None
-
-
-def listify(data):
-    """Tensors become (nested) Python lists, on the CPU; bf16 goes through fp32 (.tolist() refuses it)."""
-
-    def _to_list(tensor):
-        tensor = tensor.detach().cpu()
-        if tensor.dtype == torch.bfloat16:
-            tensor = tensor.float()
-        return tensor.tolist()
-
-    return recursively_apply(_to_list, data)
-
-
-def slice_tensors(data, tensor_slice, process_index=None, num_processes=None):
-    """`tensor[tensor_slice]` for every tensor in `data` (the process arguments are accepted, unused)."""
-    return recursively_apply(lambda t: t[tensor_slice], data)
-
-
-def concatenate(data, dim: int = 0):
-    """Concatenate a list of same-structured nested tensors along `dim`, keeping the structure."""
-    if len(data) == 0:
-        raise ValueError("concatenate() needs at least one element to concatenate.")
-    first = data[0]
-    if isinstance(first, (tuple, list)):
-        return honor_type(first, (concatenate([d[i] for d in data], dim=dim) for i in range(len(first))))
-    if isinstance(first, Mapping):
-        return _rebuild_mapping(first, {k: concatenate([d[k] for d in data], dim=dim) for k in first.keys()})
-    if not is_torch_tensor(first):
-        raise TypeError(
-            f"concatenate() works on tensors (nested in lists, tuples, dicts), not {type(first).__name__}."
-        )
-    return torch.cat(list(data), dim=dim)
-
-
-def _is_half_tensor(tensor) -> bool:
-    return hasattr(tensor, "dtype") and tensor.dtype in (torch.float16, torch.bfloat16)
-
-
-def convert_to_fp32(tensor):
-    """fp16 / bf16 tensors in a nested structure become fp32; everything else is left alone."""
-    return recursively_apply(lambda t: t.float(), tensor, test_type=_is_half_tensor)
-
-
-class ConvertOutputsToFp32:
-    """Wrap a forward so its half-precision outputs come back in fp32 (picklable, unlike a closure)."""
-
-    def __init__(self, model_forward: Callable) -> None:
-        self.model_forward = model_forward
-        functools.update_wrapper(self, model_forward)
-
-    def __call__(self, *args, **kwargs):
-        return convert_to_fp32(self.model_forward(*args, **kwargs))
-
-    def __getstate__(self):
-        raise RuntimeError("Cannot pickle a prepared model with automatic mixed precision; unwrap it first.")
-
-
-def convert_outputs_to_fp32(model_forward: Callable) -> Callable:
-    return ConvertOutputsToFp32(model_forward)
+# accelerate's integer codes for dtypes, as gather_tensor_shape reports them.
+TENSOR_TYPE_TO_INT = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+    torch.uint8: 5,
+    torch.int8: 6,
+    torch.int16: 7,
+    torch.int32: 8,
+    torch.int64: 9,
+    torch.bool: 10,
+}
+TENSOR_INT_TO_DTYPE = {code: dtype for dtype, code in TENSOR_TYPE_TO_INT.items()}
 
 
 # -- collectives --------------------------------------------------------------------------------
@@ -264,14 +94,28 @@ def _summary(description, with_dtype: bool) -> str:
     return str(text)
 
 
-def _verify_same_shapes(operation: str, data, state) -> None:
-    """Debug mode: every rank shares its shapes; a mismatch raises on all ranks, never hangs."""
-    mine = _describe(data)
+def _from_every_rank(obj, state) -> list:
+    """Each rank's picklable `obj`, in rank order, on every rank."""
     if state.distributed_type == DistributedType.XLA:
-        everyone = _xla_gather_object(mine)
-    else:
-        everyone = [None] * state.num_processes
-        torch.distributed.all_gather_object(everyone, mine)
+        return _xla_gather_object(obj)
+    everyone = [None] * state.num_processes
+    torch.distributed.all_gather_object(everyone, obj)
+    return everyone
+
+
+def _verify_same_shapes(operation: str, data, state) -> None:
+    """Debug mode: every rank shares its shapes and devices; a mismatch raises on all ranks, never hangs."""
+    devices = set()
+    recursively_apply(lambda t: devices.add(t.device), data)
+    misplaced = sorted(str(d) for d in devices if d.type != state.device.type)
+    shared = _from_every_rank((_describe(data), misplaced), state)
+    wrong = [f"rank {i}: {', '.join(where)}" for i, (_, where) in enumerate(shared) if where]
+    if wrong:
+        raise DistributedOperationException(
+            f"Cannot {operation}: every rank's tensors must be on the run's device type ({state.device.type}), "
+            f"got tensors on {'; '.join(wrong)}. Move them first, e.g. send_to_device(data, accelerator.device)."
+        )
+    everyone = [description for description, _ in shared]
     if all(d == everyone[0] for d in everyone[1:]):
         return
     shapes = [_summary(d, with_dtype=False) for d in everyone]
@@ -282,6 +126,54 @@ def _verify_same_shapes(operation: str, data, state) -> None:
         f"got {listing}. Make them equal first, e.g. tensor = pad_across_processes(tensor, dim=0) "
         "(pad the dimension that differs), or use gather_object for ragged Python data."
     )
+
+
+def _operation_name(function) -> str:
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+def verify_operation(function):
+    """Decorate a collective: in debug mode (`ACCELERATE_DEBUG_MODE=1`) on several processes, its
+    tensors (the `tensor` keyword, else the first argument) are first compared across ranks. Tensors
+    off the run's device type, or shapes or dtypes that differ between ranks, raise
+    DistributedOperationException on every rank, naming what each rank passed, instead of hanging.
+    Otherwise the function is called as it is.
+    """
+    operation = _operation_name(function)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        state = _active_state()
+        if state is None or not state.debug:
+            return function(*args, **kwargs)
+        if "tensor" in kwargs:
+            tensor = kwargs["tensor"]
+        elif args:
+            tensor = args[0]
+        else:
+            raise TypeError(
+                f"{operation} was called without arguments: verify_operation checks its `tensor` keyword or its "
+                "first argument."
+            )
+        _verify_same_shapes(f"run {operation}", tensor, state)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def chained_operation(function):
+    """Decorate an operation built on checked collectives: a DistributedOperationException raised
+    inside it is raised again naming this operation, with the original as its cause."""
+    operation = _operation_name(function)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except DistributedOperationException as exc:
+            raise DistributedOperationException(f"Error while calling {operation}: {exc}") from exc
+
+    return wrapper
 
 
 def _all_gather_into(output: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -322,14 +214,51 @@ def gather_object(object: Any):
     state = _active_state()
     if state is None:
         return list(object) if is_sequence else [object]
-    if state.distributed_type == DistributedType.XLA:
-        per_rank = _xla_gather_object(object)
-    else:
-        per_rank = [None] * state.num_processes
-        torch.distributed.all_gather_object(per_rank, object)
+    per_rank = _from_every_rank(object, state)
     if is_sequence:
         return [item for items in per_rank for item in items]
     return per_rank
+
+
+def _single_owner(tensor, state, caller: str) -> tuple:
+    """(rank, shape, dtype) of the tensor that exactly one rank passes; every rank raises otherwise."""
+    if tensor is None:
+        mine = None
+    elif is_torch_tensor(tensor):
+        mine = (tuple(tensor.shape), tensor.dtype)
+    else:
+        mine = type(tensor).__name__
+    everyone = _from_every_rank(mine, state)
+    bad = [f"rank {rank}: {info}" for rank, info in enumerate(everyone) if isinstance(info, str)]
+    if bad:
+        raise TypeError(f"{caller} takes a tensor or None on each rank, got {', '.join(bad)}.")
+    owners = [rank for rank, info in enumerate(everyone) if info is not None]
+    if len(owners) != 1:
+        raise ValueError(
+            f"{caller} needs the tensor on exactly one rank and None on the others; "
+            f"ranks {owners or 'none'} passed one."
+        )
+    return (owners[0], *everyone[owners[0]])
+
+
+def gather_tensor_shape(tensor):
+    """Every rank learns the shape and dtype of the tensor that exactly one rank holds (the others
+    pass None): returns (shape as a 1-d int64 tensor on this process's device, the dtype's code in
+    TENSOR_TYPE_TO_INT). Dtypes without a code raise TypeError; copy_tensor_to_devices takes any.
+    (accelerate 1.15 gives the sizes as an int32 column of shape (ndim, 1) and drops sizes of 0.)"""
+    state = _active_state()
+    if state is None:
+        if not is_torch_tensor(tensor):
+            raise ValueError(f"gather_tensor_shape in a single process needs a tensor, got {tensor!r}.")
+        shape, dtype, device = tuple(tensor.shape), tensor.dtype, tensor.device
+    else:
+        _, shape, dtype = _single_owner(tensor, state, "gather_tensor_shape")
+        device = state.device
+    if dtype not in TENSOR_TYPE_TO_INT:
+        raise TypeError(
+            f"gather_tensor_shape has no code for {dtype}: it codes {', '.join(map(str, TENSOR_TYPE_TO_INT))}."
+        )
+    return torch.tensor(shape, dtype=torch.int64, device=device), TENSOR_TYPE_TO_INT[dtype]
 
 
 def copy_tensor_to_devices(tensor=None) -> torch.Tensor:
@@ -342,24 +271,10 @@ def copy_tensor_to_devices(tensor=None) -> torch.Tensor:
         if tensor is None:
             raise ValueError("copy_tensor_to_devices(None) in a single process: there is no tensor to copy.")
         return tensor
-    if tensor is not None and not is_torch_tensor(tensor):
-        raise TypeError(f"copy_tensor_to_devices takes a tensor or None, not {type(tensor).__name__}.")
-    mine = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
-    if state.distributed_type == DistributedType.XLA:
-        everyone = _xla_gather_object(mine)
-    else:
-        everyone = [None] * state.num_processes
-        torch.distributed.all_gather_object(everyone, mine)
-    owners = [rank for rank, info in enumerate(everyone) if info is not None]
-    if len(owners) != 1:
-        raise ValueError(
-            f"copy_tensor_to_devices needs the tensor on exactly one rank and None on the others; "
-            f"ranks {owners or 'none'} passed one."
-        )
-    shape, dtype = everyone[owners[0]]
+    owner, shape, dtype = _single_owner(tensor, state, "copy_tensor_to_devices")
     if tensor is None:
         tensor = torch.zeros(shape, dtype=dtype, device=state.device)
-    return broadcast(tensor, from_process=owners[0])
+    return broadcast(tensor, from_process=owner)
 
 
 def _check_source(from_process, num_processes: int) -> None:
@@ -447,12 +362,7 @@ def reduce(tensor, reduction: str = "mean", scale: float = 1.0):
 
 def _verify_same_ndims(data, dim: int, state) -> None:
     """Debug mode: padding needs tensors with the same number of dimensions on every rank."""
-    mine = _describe(data)
-    if state.distributed_type == DistributedType.XLA:
-        everyone = _xla_gather_object(mine)
-    else:
-        everyone = [None] * state.num_processes
-        torch.distributed.all_gather_object(everyone, mine)
+    everyone = _from_every_rank(_describe(data), state)
     ndims = [str(recursively_apply(lambda i: len(i.shape), d, test_type=is_tensor_information)) for d in everyone]
     if len(set(ndims)) == 1:
         return
@@ -474,7 +384,14 @@ def pad_across_processes(tensor, dim: int = 0, pad_index=0, pad_first: bool = Fa
         _verify_same_ndims(tensor, dim, state)
 
     def _pad_one(t: torch.Tensor) -> torch.Tensor:
-        if state is None or getattr(t, "is_nested", False) or not -t.ndim <= dim < t.ndim:
+        if getattr(t, "is_nested", False):
+            warnings.warn(
+                "pad_across_processes cannot pad a nested tensor (its rows differ in length); it is left as it is.",
+                CannotPadNestedTensorWarning,
+                stacklevel=4,
+            )
+            return t
+        if state is None or not -t.ndim <= dim < t.ndim:
             return t
         d = dim % t.ndim
         sizes = _gather_one(torch.tensor([t.shape[d]], device=t.device), state)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import socket
+import types
 from typing import Optional
 
 import torch
 
-from .current import current_state
+from .current import current_accelerator_state, current_state
+from .dataclasses import AutocastKwargs
 from .imports import is_peft_available
 
 
@@ -190,6 +192,79 @@ def get_grad_scaler(distributed_type=None, **kwargs):
     return torch.amp.GradScaler(device_type, **kwargs)
 
 
+_PARALLEL_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+
+
+def restore_original_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo a mixed-precision patch of `model.forward`: an instance forward wrapping (`__wrapped__`)
+    the original, which the patch kept at `model._original_forward` (accelerate's marker). The
+    class's own forward comes back by removing the patch, any other original is put back as it was."""
+    patched = model.__dict__.get("forward")
+    if patched is None or "_original_forward" not in model.__dict__ or not hasattr(patched, "__wrapped__"):
+        return model
+    original = patched.__wrapped__
+    del model.__dict__["forward"], model.__dict__["_original_forward"]
+    own = getattr(type(model).forward, "__func__", type(model).forward)
+    if not (isinstance(original, types.MethodType) and original.__self__ is model and original.__func__ is own):
+        model.forward = original
+    return model
+
+
+def _unwrap_children(module: torch.nn.Module) -> None:
+    for name, child in list(module.named_children()):
+        while isinstance(child, _PARALLEL_WRAPPERS):
+            child = child.module
+        setattr(module, name, child)
+        _unwrap_children(child)
+
+
+def extract_model_from_parallel(
+    model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True, recursive: bool = False
+):
+    """The user's module inside DistributedDataParallel / DataParallel (and torch.compile).
+
+    A torch.compile result is kept (`keep_torch_compile`) when it wraps the user's module directly;
+    one compiled over DDP gives the module inside. `keep_fp32_wrapper=False` also restores the forward
+    mixed precision patched. `recursive=True` also replaces every DDP / DataParallel among the
+    submodules by the module inside it (changing the model in place).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"extract_model_from_parallel takes a torch.nn.Module, got {type(model).__name__}: {model!r}")
+    compiled = getattr(model, "_orig_mod", None)
+    inner = compiled if isinstance(compiled, torch.nn.Module) else model
+    while isinstance(inner, _PARALLEL_WRAPPERS):
+        inner = inner.module
+    if recursive:
+        _unwrap_children(inner)
+    if not keep_fp32_wrapper:
+        restore_original_forward(inner)
+    if keep_torch_compile and compiled is not None and inner is compiled:
+        return model
+    return inner
+
+
+_AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
+def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwargs=None):
+    """With `native_amp`, torch.autocast on the AcceleratorState's device type in its mixed
+    precision: float16 for "fp16", bfloat16 for "bf16" and "fp8", torch's default for the device
+    with "no" (as accelerate); without it, a null context. `autocast_kwargs` is an AutocastKwargs."""
+    if autocast_kwargs is None:
+        kwargs = {}
+    elif isinstance(autocast_kwargs, AutocastKwargs):
+        kwargs = autocast_kwargs.to_kwargs()
+    else:
+        raise TypeError(f"autocast_kwargs must be an AutocastKwargs or None, got {autocast_kwargs!r}.")
+    if not native_amp:
+        return contextlib.nullcontext()
+    state = current_accelerator_state()
+    dtype = _AUTOCAST_DTYPES.get(state.mixed_precision)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return torch.autocast(device_type=state.device.type, **kwargs)
+
+
 def _is_repeated_blocks(module: torch.nn.Module) -> bool:
     return (
         isinstance(module, torch.nn.ModuleList) and len(module) > 0 and all(type(m) is type(module[0]) for m in module)
@@ -202,7 +277,6 @@ def _compile_regions(module: torch.nn.Module, compile_kwargs: dict) -> torch.nn.
     if not any(_is_repeated_blocks(m) for m in module.modules()):
         return torch.compile(module, **compile_kwargs)
     import copy
-    import types
 
     twin = copy.copy(module)  # same parameters and attributes; its own table of children
     for name, value in list(twin.__dict__.items()):  # methods bound to the original follow the twin

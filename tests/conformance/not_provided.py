@@ -261,34 +261,6 @@ GROUPS = {
             "rich",
         ],
     ),
-    "operations_next": (
-        "not yet: more of utils.operations (debug-mode shape checks, device lookup, input padding), "
-        "due with the collectives' debug checks",
-        [
-            "utils.operations.CannotPadNestedTensorWarning",
-            "utils.CannotPadNestedTensorWarning",
-            "utils.operations.TENSOR_INT_TO_DTYPE",
-            "utils.operations.TENSOR_TYPE_TO_INT",
-            "utils.operations.chained_operation",
-            "utils.operations.verify_operation",
-            "utils.operations.gather_tensor_shape",
-            "utils.operations.find_device",
-            "utils.find_device",
-            "utils.operations.pad_input_tensors",
-            "utils.pad_input_tensors",
-        ],
-    ),
-    "not_yet": (
-        "not yet: worth having on CPU/GPU, not written yet",
-        [
-            "accelerator.Accelerator.register_save_state_pre_hook",
-            "accelerator.Accelerator.register_load_state_pre_hook",
-            "utils.get_mixed_precision_context_manager",
-            "utils.modeling.get_mixed_precision_context_manager",
-            "utils.dataclasses.TensorInformation",
-            "utils.extract_model_from_parallel",
-        ],
-    ),
 }
 
 NOT_PROVIDED = {name: key for key, (_, names) in GROUPS.items() for name in names}

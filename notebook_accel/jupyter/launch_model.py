@@ -27,20 +27,23 @@ class Log:
     __slots__ = ("items", "added", "max_lines", "max_bytes", "bytes")
 
     def __init__(self, max_lines: int, max_bytes: int = VIEW_BYTES):
-        self.items: deque = deque()
+        self.items: deque = deque(maxlen=max_lines)  # append drops the oldest line when full
         self.added = 0
         self.max_lines, self.max_bytes = max_lines, max_bytes
         self.bytes = 0  # characters, really: bytes for ASCII, and cheap to count
 
-    def add(self, item) -> None:
+    def add(self, item, size: int) -> None:
+        """Keep `item`, whose text (its last element) is `size` characters long."""
+        # The hot path of a chatty launch (two calls per line): as few operations as possible.
         items = self.items
-        if len(items) >= self.max_lines:
-            self.bytes -= len(items.popleft()[-1])
+        if len(items) == self.max_lines:
+            self.bytes -= len(items[0][-1])
         items.append(item)
         self.added += 1
-        self.bytes += len(item[-1])
-        while self.bytes > self.max_bytes and len(items) > 1:
-            self.bytes -= len(items.popleft()[-1])
+        self.bytes += size
+        if self.bytes > self.max_bytes:
+            while self.bytes > self.max_bytes and len(items) > 1:
+                self.bytes -= len(items.popleft()[-1])
 
     @property
     def dropped(self) -> int:
@@ -135,6 +138,11 @@ class LaunchModel:
             else:
                 self._lifecycle(event)
 
+    def output(self, event: ev.RankOutput) -> None:
+        """handle() for a line, without the dispatch (the panel has already looked)."""
+        with self.lock:
+            self._output(event)
+
     def rank(self, rank: int) -> RankState:
         r = self.ranks.get(rank)
         if r is None:  # a rank LaunchStarted did not announce: show it anyway
@@ -150,7 +158,11 @@ class LaunchModel:
 
     def _output(self, e: ev.RankOutput) -> None:
         r = self.ranks.get(e.rank) or self.rank(e.rank)
-        text = e.text if len(e.text) <= SHOWN_LINE else cut(e.text, SHOWN_LINE)
+        text = e.text
+        size = len(text)
+        if size > SHOWN_LINE:
+            text = cut(text, SHOWN_LINE)
+            size = len(text)
         if e.transient:
             if text.strip():
                 r.current[e.stream] = text
@@ -162,8 +174,8 @@ class LaunchModel:
         r.current.pop(e.stream, None)
         if text.rstrip().endswith("]"):
             r.bar_text, r.bar_final = text, True
-        r.log.add((e.stream, text))
-        self.all.add((e.rank, e.stream, text))
+        r.log.add((e.stream, text), size)
+        self.all.add((e.rank, e.stream, text), size)
 
     def _lifecycle(self, event) -> None:
         if isinstance(event, ev.LaunchStarted):

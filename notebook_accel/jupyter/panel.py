@@ -82,11 +82,12 @@ class LaunchPanel(Sink):
         self._control = control
 
     def handle(self, event) -> None:
-        self.model.handle(event)
-        if isinstance(event, ev.RankOutput):
+        if isinstance(event, ev.RankOutput):  # the hot path: up to 100k lines a second
+            self.model.output(event)
             if self._waiting:
                 self._reveal()
             return
+        self.model.handle(event)
         if isinstance(event, ev.LaunchStarted):
             self._launch_started()
         elif self._waiting and (

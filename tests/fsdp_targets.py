@@ -1,0 +1,131 @@
+"""Functions run on real gloo ranks by tests/test_fsdp.py (through notebook_launcher): the same small
+MLP trained with FSDP2 and with DDP, and the inputs FSDP refuses."""
+
+import torch
+from accel_targets import make_data
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x)) + x
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def make_mlp(seed=3):
+    torch.manual_seed(seed)
+    return MLP()
+
+
+def _plugin(**overrides):
+    from notebook_accel.utils import FullyShardedDataParallelPlugin
+
+    settings = {"auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": ["Block"]}
+    settings.update(overrides)
+    return FullyShardedDataParallelPlugin(**settings)
+
+
+def train(use_fsdp=True, optimizer_first=True, accumulation=1, clip=None, epochs=2, plugin=None):
+    """Train the MLP (AdamW, batch 4 per rank) and report what the tests compare across runs."""
+    from notebook_accel import Accelerator
+
+    fsdp_plugin = (plugin or _plugin()) if use_fsdp else None
+    accelerator = Accelerator(gradient_accumulation_steps=accumulation, fsdp_plugin=fsdp_plugin)
+    model = make_mlp()
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=4)
+    if optimizer_first:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+    else:
+        model = accelerator.prepare(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt, loader = accelerator.prepare(opt, loader)
+    in_optimizer = {id(p) for group in opt.param_groups for p in group["params"]}
+    norms, losses, syncs = [], [], []
+    for _ in range(epochs):
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                syncs.append(accelerator.sync_gradients)
+                if clip is not None and accelerator.sync_gradients:
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), clip)))
+                opt.step()
+                opt.zero_grad()
+                losses.append(float(accelerator.gather_for_metrics(loss.detach()).mean()))
+    state = accelerator.get_state_dict(model)
+    return {
+        "state": {k: v.detach().clone() for k, v in state.items()},
+        "norms": norms,
+        "losses": losses,
+        "syncs": syncs,
+        "distributed_type": str(accelerator.distributed_type),
+        "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+        "optimizer_has_model_params": all(id(p) in in_optimizer for p in model.parameters()),
+        "local_numel": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters()),
+        "unwrapped_is_model": accelerator.unwrap_model(model) is model,
+        "is_fsdp2": accelerator.is_fsdp2,
+    }
+
+
+def bad_inputs():
+    """Each model FSDP refuses, prepared on a real 2-rank run: the error messages, by case."""
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator(fsdp_plugin=_plugin())
+    messages = {}
+
+    def attempt(name, model, accel=accelerator):
+        try:
+            accel.prepare(model)
+        except (ValueError, TypeError) as exc:
+            messages[name] = str(exc)
+        else:
+            messages[name] = None
+
+    mapped = make_mlp()
+    mapped.hf_device_map = {"inp": "cpu", "blocks": "cpu", "out": "disk"}
+    attempt("device_map", mapped)
+
+    from notebook_accel.big_modeling import cpu_offload
+
+    attempt("offload_hooks", cpu_offload(make_mlp(), execution_device=torch.device("cpu")))
+
+    from notebook_accel import AcceleratorState
+
+    no_blocks = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    attempt("missing_class", no_blocks)
+
+    attempt("ddp", torch.nn.parallel.DistributedDataParallel(make_mlp()))
+    messages["distributed_type"] = str(AcceleratorState().distributed_type)
+    return messages
+
+
+def mixed_precision_step():
+    """One bf16 step with FSDP: the policy mapped from mixed_precision and the output dtype."""
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16", fsdp_plugin=_plugin())
+    model = accelerator.prepare(make_mlp())
+    policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+    with accelerator.autocast():
+        out = model(torch.randn(3, 4))
+    out.float().sum().backward()
+    grads = sorted({str(p.grad.dtype) for p in model.parameters()})
+    return {"param_dtype": str(policy.param_dtype), "out_dtype": str(out.dtype), "grad_dtypes": grads}

@@ -129,3 +129,23 @@ def mixed_precision_step():
     out.float().sum().backward()
     grads = sorted({str(p.grad.dtype) for p in model.parameters()})
     return {"param_dtype": str(policy.param_dtype), "out_dtype": str(out.dtype), "grad_dtypes": grads}
+
+
+def from_launch_config():
+    """Accelerator() with no plugin, in ranks launched from a config file that says distributed_type: FSDP."""
+    import os
+
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator()
+    plugin = accelerator.state.fsdp_plugin
+    model = accelerator.prepare(make_mlp())
+    return {
+        "use_fsdp": os.environ.get("ACCELERATE_USE_FSDP"),
+        "distributed_type": str(accelerator.distributed_type),
+        "policy": plugin.auto_wrap_policy,
+        "classes": plugin.transformer_cls_names_to_wrap,
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "state_dict_type": plugin.state_dict_type.name,
+        "sharded": sorted(name for name, m in model.named_modules() if type(m).__name__.startswith("FSDP")),
+    }

@@ -187,3 +187,26 @@ def test_one_process_notes_it_shards_nothing_and_trains(capsys, monkeypatch):
         mapped = torch.nn.Linear(4, 1)
         mapped.hf_device_map = {"": "cpu"}
         accelerator.prepare(mapped)
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_launch_config_with_distributed_type_fsdp_reaches_the_ranks(tmp_path, monkeypatch):
+    from fsdp_targets import from_launch_config
+
+    from notebook_accel import config
+
+    path = tmp_path / "default_config.yaml"
+    path.write_text(
+        "distributed_type: FSDP\nuse_cpu: true\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n"
+        "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: Block\n"
+        "  fsdp_reshard_after_forward: false\n  fsdp_state_dict_type: FULL_STATE_DICT\n"
+    )
+    monkeypatch.setenv(config.CONFIG_ENV, str(path))
+    results = notebook_launcher(from_launch_config, use_port="auto", sinks=[ListSink()], timeout=TIMEOUT)
+    assert len(results) == 2
+    for result in results:
+        assert result == {
+            "use_fsdp": "true", "distributed_type": "FSDP", "policy": "transformer_based_wrap", "classes": ["Block"],
+            "reshard_after_forward": False, "state_dict_type": "FULL_STATE_DICT",
+            "sharded": ["", "blocks.0", "blocks.1"],
+        }  # fmt: skip

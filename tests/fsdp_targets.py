@@ -41,29 +41,54 @@ def _plugin(**overrides):
     return FullyShardedDataParallelPlugin(**settings)
 
 
-def train(use_fsdp=True, optimizer_first=True, accumulation=1, clip=None, epochs=2, plugin=None):
-    """Train the MLP (AdamW, batch 4 per rank) and report what the tests compare across runs."""
+def is_block(module):
+    """A wrap policy as a plain callable: a module -> whether it gets its own fully_shard."""
+    return isinstance(module, Block)
+
+
+def _reduces_gradients(model) -> bool:
+    """Whether this backward reduced gradients across ranks: FSDP's or DDP's own flag (torch internals)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.require_backward_grad_sync
+    return all(m._get_fsdp_state()._fsdp_param_group.reduce_grads for m in model.modules() if hasattr(m, "_get_fsdp_state"))
+
+
+def _get_registry(module):
+    from torch.distributed._composable.contract import _get_registry
+
+    return _get_registry(module) or {}
+
+
+def train(use_fsdp=True, optimizer="before", accumulation=1, clip=None, epochs=2, overrides=None):
+    """Train the MLP (AdamW, batch 4 per rank) and report what the tests compare across runs.
+
+    optimizer: "before" (built on the unsharded model, prepared with it), "separately" (prepared
+    in an earlier prepare call than the model) or "after" (built on the prepared model)."""
     from notebook_accel import Accelerator
 
-    fsdp_plugin = (plugin or _plugin()) if use_fsdp else None
+    fsdp_plugin = _plugin(**(overrides or {})) if use_fsdp else None
     accelerator = Accelerator(gradient_accumulation_steps=accumulation, fsdp_plugin=fsdp_plugin)
     model = make_mlp()
     loader = torch.utils.data.DataLoader(make_data(), batch_size=4)
-    if optimizer_first:
+    if optimizer == "before":
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         model, opt, loader = accelerator.prepare(model, opt, loader)
+    elif optimizer == "separately":
+        opt = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=0.01))
+        model, loader = accelerator.prepare(model, loader)
     else:
         model = accelerator.prepare(model)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         opt, loader = accelerator.prepare(opt, loader)
     in_optimizer = {id(p) for group in opt.param_groups for p in group["params"]}
-    norms, losses, syncs = [], [], []
+    norms, losses, syncs, reduces = [], [], [], []
     for _ in range(epochs):
         for x, y in loader:
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 accelerator.backward(loss)
                 syncs.append(accelerator.sync_gradients)
+                reduces.append(_reduces_gradients(model))
                 if clip is not None and accelerator.sync_gradients:
                     norms.append(float(accelerator.clip_grad_norm_(model.parameters(), clip)))
                 opt.step()
@@ -75,12 +100,15 @@ def train(use_fsdp=True, optimizer_first=True, accumulation=1, clip=None, epochs
         "norms": norms,
         "losses": losses,
         "syncs": syncs,
+        "reduces": reduces,
         "distributed_type": str(accelerator.distributed_type),
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),
         "optimizer_has_model_params": all(id(p) in in_optimizer for p in model.parameters()),
         "local_numel": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters()),
         "unwrapped_is_model": accelerator.unwrap_model(model) is model,
         "is_fsdp2": accelerator.is_fsdp2,
+        "sharded": sorted(name for name, m in model.named_modules() if type(m).__name__.startswith("FSDP")),
+        "checkpointed": sorted(name for name, m in model.named_modules() if "checkpoint" in _get_registry(m)),
     }
 
 

@@ -3,7 +3,7 @@ gloo ranks (notebook_launcher) against DDP on the same seed and data, and the in
 
 import pytest
 import torch
-from fsdp_targets import bad_inputs, mixed_precision_step, train
+from fsdp_targets import bad_inputs, is_block, mixed_precision_step, train
 
 from notebook_accel import Accelerator, AcceleratorState, GradientState, notebook_launcher
 from notebook_accel.launch.sinks import ListSink
@@ -32,10 +32,10 @@ def on_ranks(function, *args, world=2):
 _DDP_CACHE: dict = {}
 
 
-def ddp_run(accumulation, clip):
-    key = (accumulation, clip)
+def ddp_run(accumulation, clip, world=2):
+    key = (accumulation, clip, world)
     if key not in _DDP_CACHE:
-        _DDP_CACHE[key] = on_ranks(train, False, True, accumulation, clip)
+        _DDP_CACHE[key] = on_ranks(train, False, "before", accumulation, clip, world=world)
     return _DDP_CACHE[key]
 
 
@@ -46,14 +46,14 @@ def assert_matches_ddp(fsdp, ddp):
         assert rank["param_types"] == ["DTensor"]  # the parameters really are shards
         assert rank["optimizer_has_model_params"]  # the optimizer steps the sharded parameters
         assert rank["unwrapped_is_model"] and rank["is_fsdp2"]
-    # Each rank holds about half the parameters: DDP holds all 193 on each.
-    assert [r["local_numel"] for r in ddp] == [193, 193]
+    # Each rank holds a shard of the parameters: DDP holds all 193 on each.
+    assert [r["local_numel"] for r in ddp] == [193] * len(ddp)
     assert sum(r["local_numel"] for r in fsdp) == 193 and max(r["local_numel"] for r in fsdp) < 193
     assert fsdp[0]["syncs"] == ddp[0]["syncs"]
     torch.testing.assert_close(fsdp[0]["losses"], ddp[0]["losses"], **TOLERANCE)
     torch.testing.assert_close(fsdp[0]["norms"], ddp[0]["norms"], **TOLERANCE)
     # get_state_dict: full tensors on rank 0 (nothing elsewhere), equal to the DDP model's.
-    assert fsdp[1]["state"] == {}
+    assert all(r["state"] == {} for r in fsdp[1:])
     assert list(fsdp[0]["state"]) == list(ddp[0]["state"])
     for name, tensor in fsdp[0]["state"].items():
         assert type(tensor) is torch.Tensor and tensor.shape == ddp[0]["state"][name].shape
@@ -61,21 +61,54 @@ def assert_matches_ddp(fsdp, ddp):
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 30)
-@pytest.mark.parametrize("optimizer_first", [True, False], ids=["optimizer-before-prepare", "optimizer-after-prepare"])
-def test_fsdp_training_matches_ddp(optimizer_first):
-    fsdp = on_ranks(train, True, optimizer_first, 1, None)
+@pytest.mark.parametrize("optimizer", ["before", "separately", "after"])
+def test_fsdp_training_matches_ddp(optimizer):
+    """The optimizer built on the unsharded model (prepared with it, or in an earlier prepare call)
+    is re-pointed at the shards; one built on the prepared model holds them already."""
+    fsdp = on_ranks(train, True, optimizer, 1, None)
     ddp = ddp_run(1, None)
     assert_matches_ddp(fsdp, ddp)
-    assert fsdp[0]["syncs"] == [True] * 16
+    assert fsdp[0]["syncs"] == [True] * 16 and fsdp[0]["reduces"] == [True] * 16
+    assert fsdp[0]["sharded"] == ["", "blocks.0", "blocks.1"]
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 30)
-def test_fsdp_gradient_accumulation_and_clipping_match_ddp():
-    fsdp = on_ranks(train, True, True, 2, 1.0)
-    ddp = ddp_run(2, 1.0)
-    assert fsdp[0]["syncs"] == [False, True] * 8  # the no_sync steps really skipped synchronisation
-    assert len(fsdp[0]["norms"]) == 8 and all(n > 1.0 for n in fsdp[0]["norms"])  # clipping did clip
-    assert fsdp[0]["norms"] == fsdp[1]["norms"]  # every rank sees the same global norm
+@pytest.mark.parametrize(
+    "overrides, sharded",
+    [
+        ({"auto_wrap_policy": "size_based_wrap", "min_num_params": 50}, ["", "blocks.0.linear", "blocks.1.linear"]),
+        ({"auto_wrap_policy": "no_wrap"}, [""]),
+        ({"auto_wrap_policy": is_block}, ["", "blocks.0", "blocks.1"]),
+        ({"activation_checkpointing": True}, ["", "blocks.0", "blocks.1"]),
+        ({"ignored_modules": "out", "reshard_after_forward": False}, ["", "blocks.0", "blocks.1"]),
+    ],
+    ids=["size-based", "no-wrap", "callable", "activation-checkpointing", "ignored-modules"],
+)
+def test_plugin_settings_shard_what_they_say_and_train_like_ddp(overrides, sharded):
+    fsdp = on_ranks(train, True, "before", 1, None, 2, overrides)
+    assert fsdp[0]["sharded"] == sharded
+    assert fsdp[0]["checkpointed"] == (["blocks.0", "blocks.1"] if "activation_checkpointing" in overrides else [])
+    ddp = ddp_run(1, None)
+    if "ignored_modules" in overrides:
+        # `out` stays a plain replicated parameter on every rank; FSDP does not reduce its gradients.
+        assert fsdp[0]["param_types"] == ["DTensor", "Parameter"]
+        assert [r["local_numel"] for r in fsdp] == [101, 101]  # all 9 of out's on each, half the other 184
+        return
+    assert_matches_ddp(fsdp, ddp)
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 30)
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_gradient_accumulation_and_clipping_match_ddp(world):
+    fsdp = on_ranks(train, True, "before", 2, 1.0, world=world)
+    ddp = ddp_run(2, 1.0, world=world)
+    steps = 2 * 64 // (4 * world)  # 2 epochs of 64 samples, batch 4 per rank
+    assert fsdp[0]["syncs"] == [False, True] * (steps // 2)
+    for run in (fsdp, ddp):  # no_sync really kept the other batches' gradients local
+        assert all(r["reduces"] == [False, True] * (steps // 2) for r in run)
+    norms = fsdp[0]["norms"]
+    assert len(norms) == steps // 2 and all(n > 1.0 for n in norms)  # clipping did clip
+    assert all(r["norms"] == norms for r in fsdp)  # every rank sees the same global norm
     assert_matches_ddp(fsdp, ddp)
 
 

@@ -177,3 +177,27 @@ def from_launch_config():
         "state_dict_type": plugin.state_dict_type.name,
         "sharded": sorted(name for name, m in model.named_modules() if type(m).__name__.startswith("FSDP")),
     }
+
+
+def fp16_overflow_on_one_rank():
+    """fp16 with FSDP: an inf in rank 1's gradient shard only; every rank must skip that step."""
+    import torch.distributed as dist
+
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator(mixed_precision="fp16", fsdp_plugin=_plugin())
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = accelerator.prepare(model, opt)
+    skipped, changed = [], []
+    for step in range(3):
+        before = [p.detach().to_local().clone() for p in model.parameters()]
+        loss = model(torch.full((4, 4), 0.01)).float().mean() * 1e-3  # small: scaled gradients fit fp16
+        accelerator.backward(loss)
+        if step == 0 and dist.get_rank() == 1:
+            model.inp.weight.grad.to_local().fill_(float("inf"))
+        opt.step()
+        opt.zero_grad()
+        skipped.append(accelerator.optimizer_step_was_skipped)
+        changed.append(any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters())))
+    return {"skipped": skipped, "changed": changed, "scale": accelerator.scaler.get_scale()}

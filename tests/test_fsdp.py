@@ -243,3 +243,13 @@ def test_launch_config_with_distributed_type_fsdp_reaches_the_ranks(tmp_path, mo
             "reshard_after_forward": False, "state_dict_type": "FULL_STATE_DICT",
             "sharded": ["", "blocks.0", "blocks.1"],
         }  # fmt: skip
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_fp16_overflow_in_one_ranks_shard_skips_the_step_on_every_rank():
+    from fsdp_targets import fp16_overflow_on_one_rank
+
+    results = on_ranks(fp16_overflow_on_one_rank)
+    for result in results:
+        assert result["skipped"] == [True, False, False] and result["changed"] == [False, True, True], result
+    assert results[0]["scale"] == results[1]["scale"] == 65536.0 / 2  # halved once, on every rank

@@ -20,18 +20,16 @@ from .utils.fsdp_plugin import FullyShardedDataParallelPlugin
 
 
 def resolve_plugin(plugin):
-    """The plugin passed, or one built from FSDP_* when ACCELERATE_USE_FSDP is true, or None."""
+    """The plugin passed, or one built from FSDP_* when ACCELERATE_USE_FSDP is true, or None;
+    checked against this machine before any state exists."""
     if plugin is None:
-        return FullyShardedDataParallelPlugin() if parse_flag_from_env("ACCELERATE_USE_FSDP") else None
+        if not parse_flag_from_env("ACCELERATE_USE_FSDP"):
+            return None
+        plugin = FullyShardedDataParallelPlugin()
     if not isinstance(plugin, FullyShardedDataParallelPlugin):
         raise TypeError(
             f"fsdp_plugin must be a FullyShardedDataParallelPlugin, got {type(plugin).__name__}: {plugin!r}."
         )
-    return plugin
-
-
-def setup(plugin, state) -> None:
-    """Check the plugin against this run and record it on the AcceleratorState."""
     if plugin.cpu_offload and not _has_accelerator():
         raise ValueError(
             "FullyShardedDataParallelPlugin(cpu_offload=True) offloads sharded parameters from an accelerator "
@@ -39,6 +37,11 @@ def setup(plugin, state) -> None:
             "only). Set cpu_offload=False (or FSDP_OFFLOAD_PARAMS=false): on CPU the parameters are in host "
             "memory already."
         )
+    return plugin
+
+
+def setup(plugin, state) -> None:
+    """Record the plugin on the AcceleratorState (mixed precision mapped to its policy)."""
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin = plugin
@@ -269,17 +272,27 @@ def repoint_optimizer(optimizer, param_map: dict) -> None:
 # -- the training step ----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def no_sync(model, sync: bool = False):
-    """Inside, FSDP's reduce-scatter of gradients is off (sync=True: on); restored on exit."""
+    """Inside, FSDP's reduce-scatter of gradients is off (sync=True: on); the setting outside it
+    (trigger_sync_in_backward nests in no_sync) is restored on exit."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
         yield
         return
-    model.set_requires_gradient_sync(sync)
+    outside = getattr(model, _SYNC_FLAG, True)
+    _set_sync(model, sync)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        _set_sync(model, outside)
+
+
+_SYNC_FLAG = "_notebook_accel_gradient_sync"  # torch's FSDPModule has a setter for it, no getter
+
+
+def _set_sync(model, sync: bool) -> None:
+    model.set_requires_gradient_sync(sync)
+    object.__setattr__(model, _SYNC_FLAG, sync)
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2):

@@ -201,3 +201,21 @@ def fp16_overflow_on_one_rank():
         skipped.append(accelerator.optimizer_step_was_skipped)
         changed.append(any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters())))
     return {"skipped": skipped, "changed": changed, "scale": accelerator.scaler.get_scale()}
+
+
+def sync_nesting():
+    """FSDP's reduce flag inside no_sync, inside trigger_sync_in_backward nested in it, and after."""
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator(fsdp_plugin=_plugin())
+    model = accelerator.prepare(make_mlp())
+    seen = []
+    with accelerator.no_sync(model):
+        seen.append(_reduces_gradients(model))
+        loss = model(torch.ones(2, 4)).sum()
+        with accelerator.trigger_sync_in_backward(model):
+            seen.append(_reduces_gradients(model))
+            accelerator.backward(loss)
+        seen.append(_reduces_gradients(model))
+    seen.append(_reduces_gradients(model))
+    return seen

@@ -189,6 +189,7 @@ def test_plugin_bad_values_are_named(kwargs, error, match):
 def test_cpu_offload_on_a_cpu_only_machine_is_refused():
     with pytest.raises(ValueError, match=r"cpu_offload=True.*no accelerator.*cpu_offload=False"):
         Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(cpu_offload=True))
+    assert not AcceleratorState._shared_state  # refused before any state was made
 
 
 def test_deepspeed_and_megatron_point_at_fsdp():
@@ -253,3 +254,11 @@ def test_fp16_overflow_in_one_ranks_shard_skips_the_step_on_every_rank():
     for result in results:
         assert result["skipped"] == [True, False, False] and result["changed"] == [False, True, True], result
     assert results[0]["scale"] == results[1]["scale"] == 65536.0 / 2  # halved once, on every rank
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_trigger_sync_in_backward_nests_inside_no_sync():
+    from fsdp_targets import sync_nesting
+
+    for seen in on_ranks(sync_nesting):
+        assert seen == [False, True, False, True]

@@ -275,3 +275,12 @@ def test_save_model_writes_the_full_weights_and_save_state_is_a_later_slice(tmp_
     for message in messages:
         assert "save_state with FSDP is not implemented" in message and "torch.distributed.checkpoint" in message
     assert not (tmp_path / "state").exists()
+
+
+def test_fsdp1_settings_warn_and_sharding_strategy_maps_to_resharding():
+    with pytest.warns(UserWarning, match=r"use_orig_params=\.\.\.\) is an FSDP1 setting"):
+        FullyShardedDataParallelPlugin(use_orig_params=True)
+    assert FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP").reshard_after_forward is False
+    assert FullyShardedDataParallelPlugin(sharding_strategy="FULL_SHARD").reshard_after_forward is True
+    with pytest.raises(ValueError, match=r"sharding_strategy='HYBRID_SHARD' has no FSDP2 equivalent"):
+        FullyShardedDataParallelPlugin(sharding_strategy="HYBRID_SHARD")

@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+from .env_flags import parse_flag_from_env as _env_flag
 from .env_flags import str_to_bool
 
 WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
@@ -28,10 +29,6 @@ _FSDP1_ONLY = (
     "state_dict_config",
     "optim_state_dict_config",
 )
-
-
-def _env_flag(name: str, default: bool = False) -> bool:
-    return bool(str_to_bool(os.environ.get(name, str(default))))
 
 
 @dataclass

@@ -471,6 +471,7 @@ class Accelerator(AcceleratorTools):
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
+        self._fsdp_params.clear()
         self.step = 0
         from .utils.memory import release_memory
 

@@ -25,6 +25,7 @@ _EXPORTS = {
     "AutocastKwargs": "utils.dataclasses",
     "GradientAccumulationPlugin": "utils.dataclasses",
     "ProjectConfiguration": "utils.dataclasses",
+    "FullyShardedDataParallelPlugin": "utils.dataclasses",
     "skip_first_batches": "data_loader",
     "prepare_data_loader": "data_loader",
     "find_executable_batch_size": "utils.memory",

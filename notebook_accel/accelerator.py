@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import model_wrapping, precision
+from . import fsdp, model_wrapping, precision
 from .accelerator_tools import AcceleratorTools
 from .state import AcceleratorState, GradientState
 from .utils import operations as ops
@@ -65,15 +65,13 @@ class Accelerator(AcceleratorTools):
         dynamo_backend=None,
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
     ) -> None:
-        for name, plugin in (
-            ("deepspeed_plugin", deepspeed_plugin),
-            ("fsdp_plugin", fsdp_plugin),
-            ("megatron_lm_plugin", megatron_lm_plugin),
-        ):
+        for name, plugin in (("deepspeed_plugin", deepspeed_plugin), ("megatron_lm_plugin", megatron_lm_plugin)):
             if plugin is not None:
                 raise NotImplementedError(
-                    f"{name} is not supported by notebook_accel yet; remove it to train with DDP."
+                    f"{name} is not supported by notebook_accel; for sharded training pass "
+                    "fsdp_plugin=FullyShardedDataParallelPlugin() (FSDP2), or remove it to train with DDP."
                 )
+        fsdp_plugin = fsdp.resolve_plugin(fsdp_plugin)
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
@@ -105,6 +103,9 @@ class Accelerator(AcceleratorTools):
                 # Keep no state with the refused precision: the next Accelerator(...) may ask for another.
                 AcceleratorState._reset_state()
             raise
+        if fsdp_plugin is not None:
+            fsdp.setup(fsdp_plugin, self.state)
+        self._fsdp_params: dict = {}  # id(unsharded parameter) -> (weak ref, sharded one)
 
         if gradient_accumulation_plugin is not None:
             if gradient_accumulation_steps != 1:
@@ -150,6 +151,7 @@ class Accelerator(AcceleratorTools):
     is_local_main_process = _forward("state", "is_local_main_process")
     is_last_process = _forward("state", "is_last_process")
     use_distributed = _forward("state", "use_distributed")
+    is_fsdp2 = _forward("state", "is_fsdp2")
     mixed_precision = _forward("state", "mixed_precision")
     split_batches = _forward("dataloader_config", "split_batches")
     even_batches = _forward("dataloader_config", "even_batches", settable=True)
@@ -211,6 +213,8 @@ class Accelerator(AcceleratorTools):
     ):
         if device_placement is None:
             device_placement = self.device_placement
+        plugin = getattr(self.state, "fsdp_plugin", None)
+        wrapped = fsdp.check_model(model, plugin) if plugin is not None and not evaluation_mode else None
         self._models.append(model)
         if device_placement and not getattr(model, "hf_device_map", None):
             model = model.to(self.device)
@@ -220,6 +224,8 @@ class Accelerator(AcceleratorTools):
             precision.patch_forward_for_autocast(
                 model, self.mixed_precision, self.device, self.autocast_handler
             )
+        if wrapped is not None and fsdp.sharding(self.state):
+            model = fsdp.shard_model(model, plugin, wrapped, self._fsdp_params, self._optimizers)
         model = model_wrapping.wrap_model(
             model, self.state, self.ddp_handler, self.dynamo_plugin, evaluation_mode=evaluation_mode
         )
@@ -233,6 +239,7 @@ class Accelerator(AcceleratorTools):
             return optimizer
         if device_placement is None:
             device_placement = self.device_placement
+        fsdp.repoint_optimizer(optimizer, self._fsdp_params)
         wrapped = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler)
         self._optimizers.append(wrapped)
         return wrapped
@@ -311,7 +318,10 @@ class Accelerator(AcceleratorTools):
 
     @contextlib.contextmanager
     def no_sync(self, model):
-        if self.use_distributed and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        if fsdp.is_fsdp_model(model):
+            with fsdp.no_sync(model):
+                yield
+        elif self.use_distributed and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             with model.no_sync():
                 yield
         else:
@@ -319,6 +329,8 @@ class Accelerator(AcceleratorTools):
 
     def trigger_sync_in_backward(self, model):
         """A context: the next backward inside it reduces gradients, even after forwards under no_sync."""
+        if fsdp.is_fsdp_model(model):
+            return fsdp.no_sync(model, sync=True)
         return model_wrapping.sync_in_next_backward(model)
 
     @contextlib.contextmanager
@@ -345,7 +357,7 @@ class Accelerator(AcceleratorTools):
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         self.unscale_gradients()
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return fsdp.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters, clip_value) -> None:
         self.unscale_gradients()
@@ -444,6 +456,8 @@ class Accelerator(AcceleratorTools):
             # The user's module's keys: a compiled wrapper would prefix them all with "_orig_mod.",
             # and neither the original module nor load_state could load them back.
             model = self.unwrap_model(model, keep_torch_compile=False)
+        if fsdp.is_fsdp_model(model):
+            return fsdp.full_state_dict(model)  # a collective: every rank calls it, rank 0 gets the tensors
         return model.state_dict()
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
@@ -457,6 +471,7 @@ class Accelerator(AcceleratorTools):
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
+        self._fsdp_params.clear()
         self.step = 0
         from .utils.memory import release_memory
 
@@ -482,6 +497,7 @@ class Accelerator(AcceleratorTools):
         """Save models, optimizers, schedulers, scaler, loaders' positions, registered objects and RNG."""
         from .checkpointing import save_state
 
+        fsdp.refuse_checkpoint(self.state, "save_state")
         return save_state(self, output_dir, safe_serialization=safe_serialization)
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs) -> None:
@@ -489,6 +505,7 @@ class Accelerator(AcceleratorTools):
         resume mid-epoch only with use_stateful_dataloader=True, else replay the epoch (see README)."""
         from .checkpointing import load_state
 
+        fsdp.refuse_checkpoint(self.state, "load_state")
         load_state(
             self,
             input_dir,

@@ -20,7 +20,7 @@ CONFIG_ENV = "NOTEBOOK_ACCEL_CONFIG_FILE"
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 DISTRIBUTED_TYPES = tuple(t.value for t in DistributedType)
-UNSUPPORTED_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
+UNSUPPORTED_TYPES = ("DEEPSPEED", "MEGATRON_LM")
 # distributed_type for N > 1 processes of each device family (hardware.detect_device_family()).
 FAMILY_TYPES = {
     None: "MULTI_CPU",
@@ -138,8 +138,8 @@ class ClusterConfig:
             if self.distributed_type in UNSUPPORTED_TYPES:
                 fail(
                     "distributed_type",
-                    f"{self.distributed_type} is not implemented by notebook_accel; use "
-                    "MULTI_GPU (data parallel) or MULTI_CPU",
+                    f"{self.distributed_type} is not implemented by notebook_accel; use FSDP "
+                    "(sharded data parallel), MULTI_GPU (data parallel) or MULTI_CPU",
                 )
         if self.mixed_precision not in MIXED_PRECISIONS:
             fail("mixed_precision", f"{self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
@@ -179,12 +179,16 @@ class ClusterConfig:
                 f"NO runs a single process, but num_processes is {n} and num_machines "
                 f"is {self.num_machines}; use MULTI_CPU or MULTI_GPU",
             )
-        if self.use_cpu and self.distributed_type not in (None, "NO", "MULTI_CPU"):
+        if self.use_cpu and self.distributed_type not in (None, "NO", "MULTI_CPU", "FSDP"):
             fail(
                 "use_cpu",
                 f"true contradicts distributed_type {self.distributed_type}; set use_cpu: false "
                 "or distributed_type: MULTI_CPU",
             )
+        fsdp = self.extra.get("fsdp_config") or {}
+        strangers = sorted(k for k in fsdp if not str(k).startswith("fsdp_"))
+        if strangers:
+            fail("fsdp_config", f"has keys {strangers}; its keys are accelerate's fsdp_* names (e.g. fsdp_version)")
         ids = self.device_ids
         if ids is not None and n is not None and not self.cpu and n // self.num_machines > len(ids):
             fail(
@@ -240,6 +244,19 @@ class ClusterConfig:
         }
         out.update({k: v for k, v in optional.items() if v is not None})
         return out
+
+    def launch_env(self) -> dict:
+        """The variables accelerate's launcher sets for this file: FSDP's switch and settings."""
+        if self.distributed_type != "FSDP":
+            return {}
+        env = {"ACCELERATE_USE_FSDP": "true"}
+        for key, value in (self.extra.get("fsdp_config") or {}).items():
+            name = key[len("fsdp_") :].upper()
+            name = {"TRANSFORMER_LAYER_CLS_TO_WRAP": "TRANSFORMER_CLS_TO_WRAP"}.get(name, name)
+            if isinstance(value, (list, tuple)):
+                value = ",".join(map(str, value))
+            env["FSDP_" + name] = str(value).lower() if isinstance(value, bool) else str(value)
+        return env
 
     # -- writing ---------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -436,6 +436,10 @@ class AcceleratorState(_Borg):
     def debug(self) -> bool:
         return self._partial.debug
 
+    @property
+    def is_fsdp2(self) -> bool:
+        return str(self.distributed_type) == "FSDP" and getattr(self.fsdp_plugin, "fsdp_version", None) == 2
+
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:
         AcceleratorState._shared_state.clear()

@@ -471,7 +471,7 @@ def test_prepare_rejects_a_device_placement_list_of_the_wrong_length():
     assert accelerator.unwrap_model(out_model) is model and out_opt.optimizer is opt
 
 
-@pytest.mark.parametrize("plugin", ["deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin"])
+@pytest.mark.parametrize("plugin", ["deepspeed_plugin", "megatron_lm_plugin"])  # FSDP: tests/test_fsdp.py
 def test_unsupported_plugins_are_named(plugin):
     with pytest.raises(NotImplementedError, match=plugin):
         Accelerator(**{plugin: object()})

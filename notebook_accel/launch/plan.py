@@ -120,7 +120,7 @@ def make_plan(
     notes = []
     arguments = locals()
     # The config file fills in what the caller left out.
-    chosen = _with_config(config_file, notes, {name: arguments[name] for name in _CONFIGURABLE})
+    chosen, config_env = _with_config(config_file, notes, {name: arguments[name] for name in _CONFIGURABLE})
     num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes, cpu = (
         chosen[name] for name in _CONFIGURABLE[:7]
     )
@@ -188,6 +188,7 @@ def make_plan(
     threads = _threads_per_process(num_processes, start_method, notes)
 
     env = {
+        **config_env,
         LAUNCHER_ENV: "1",
         MIXED_PRECISION_ENV: mixed_precision,
         "OMP_NUM_THREADS": str(threads),
@@ -308,10 +309,11 @@ _CONFIGURABLE = (
 
 
 def _with_config(config_file, notes: list, given: dict) -> dict:
-    """`given` ({name in _CONFIGURABLE: value}), with the config's values where the caller chose none."""
+    """`given` ({name in _CONFIGURABLE: value}), with the config's values where the caller chose none;
+    and the variables the config sets for every rank (FSDP's)."""
     config = _load_config(config_file)
     if config is None:
-        return given
+        return given, {}
     values = dict(given)
     taken = {k: v for k, v in config.launch_defaults().items() if is_default(values[k])}
     shown = [
@@ -320,7 +322,7 @@ def _with_config(config_file, notes: list, given: dict) -> dict:
     if shown:
         notes.append(f"notebook_accel: from {config.path}: {', '.join(shown)}")
     values.update(taken)
-    return values
+    return values, config.launch_env()
 
 
 def _load_config(config_file):

@@ -365,3 +365,7 @@ class TorchDynamoPlugin(KwargsHandler):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
+
+
+# accelerate's path for the FSDP plugin (the class lives in fsdp_plugin.py, which imports nothing of this module).
+from .fsdp_plugin import FullyShardedDataParallelPlugin  # noqa: E402,F401

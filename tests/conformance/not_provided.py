@@ -69,11 +69,8 @@ GROUPS = {
         ],
     ),
     "fsdp": (
-        "FSDP / FSDP2 (sharded data parallel): notebook_accel trains with DDP",
+        "FSDP2 helpers beyond prepare (sharded checkpoints, RAM-efficient loading, FSDP1): later slices of issue #17",
         [
-            "FullyShardedDataParallelPlugin",
-            "utils.FullyShardedDataParallelPlugin",
-            "utils.dataclasses.FullyShardedDataParallelPlugin",
             "utils.dataclasses.get_module_class_from_name",
             "utils.disable_fsdp_ram_efficient_loading",
             "utils.enable_fsdp_ram_efficient_loading",
@@ -91,9 +88,7 @@ GROUPS = {
             "utils.save_fsdp_optimizer",
             "utils.compile_regions_fsdp2",
             "utils.model_has_dtensor",
-            "accelerator.Accelerator.is_fsdp2",
             "accelerator.Accelerator.is_composable_parallelism_enabled",
-            "state.AcceleratorState.is_fsdp2",
         ],
     ),
     "nd_parallel": (

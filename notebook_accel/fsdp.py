@@ -1,0 +1,318 @@
+"""FSDP2 through Accelerator.prepare: torch's `fully_shard` on the submodules an auto-wrap policy
+picks, then on the root; optimizers re-pointed at the sharded (DTensor) parameters; no_sync,
+gradient clipping and the full state dict for sharded models.
+
+The plugin (what the user sets) is `utils/fsdp_plugin.py`; Accelerator calls the functions here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import weakref
+
+import torch
+
+from .utils.dataclasses import DistributedType
+from .utils.env_flags import parse_flag_from_env
+from .utils.fsdp_plugin import FullyShardedDataParallelPlugin
+
+
+def resolve_plugin(plugin):
+    """The plugin passed, or one built from FSDP_* when ACCELERATE_USE_FSDP is true, or None;
+    checked against this machine before any state exists."""
+    if plugin is None:
+        if not parse_flag_from_env("ACCELERATE_USE_FSDP"):
+            return None
+        plugin = FullyShardedDataParallelPlugin()
+    if not isinstance(plugin, FullyShardedDataParallelPlugin):
+        raise TypeError(
+            f"fsdp_plugin must be a FullyShardedDataParallelPlugin, got {type(plugin).__name__}: {plugin!r}."
+        )
+    if plugin.cpu_offload and not _has_accelerator():
+        raise ValueError(
+            "FullyShardedDataParallelPlugin(cpu_offload=True) offloads sharded parameters from an accelerator "
+            "to host memory, and this machine has no accelerator (torch's CPUOffloadPolicy cannot run on CPU "
+            "only). Set cpu_offload=False (or FSDP_OFFLOAD_PARAMS=false): on CPU the parameters are in host "
+            "memory already."
+        )
+    return plugin
+
+
+def setup(plugin, state) -> None:
+    """Record the plugin on the AcceleratorState (mixed precision mapped to its policy)."""
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    if state.num_processes > 1:
+        state.distributed_type = DistributedType.FSDP
+    elif state.is_main_process:
+        print("FSDP on one process shards nothing: the model trains unsharded (launch 2+ processes to shard).")
+
+
+def sharding(state) -> bool:
+    """Whether models of this run are sharded: an FSDP plugin and more than one process."""
+    return getattr(state, "fsdp_plugin", None) is not None and state.num_processes > 1
+
+
+def _has_accelerator() -> bool:
+    probe = getattr(torch, "accelerator", None)
+    return bool(probe is not None and probe.is_available())
+
+
+def is_fsdp_model(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+# -- checking a model before anything runs ---------------------------------------------------------
+def check_model(model: torch.nn.Module, plugin) -> list:
+    """The submodules that get their own fully_shard (children before parents); raises for models FSDP
+    cannot take: dispatched along a device map, carrying offload hooks, already in DDP."""
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        raise ValueError(
+            f"FSDP was asked to shard a model already wrapped in {type(model).__name__}; pass the plain module "
+            "(model.module) to accelerator.prepare, which shards it instead of replicating it."
+        )
+    if getattr(model, "hf_device_map", None):
+        raise ValueError(
+            "FSDP cannot shard a model dispatched with a device map (hf_device_map is set: "
+            f"{_short(model.hf_device_map)}); load it without device_map and let FSDP shard it across processes."
+        )
+    hooked = [name or "<root>" for name, m in model.named_modules() if hasattr(m, "_hf_hook")]
+    if hooked:
+        raise ValueError(
+            f"FSDP cannot shard a model with big_modeling offload / dispatch hooks (on {', '.join(hooked[:5])}); "
+            "remove them (notebook_accel.hooks.remove_hook_from_module(model, recurse=True)) or load the model "
+            "without cpu_offload / disk_offload / dispatch_model."
+        )
+    ignored = ignored_parameters(model, plugin)
+    wrapped = [m for m in _wrap_candidates(model, plugin) if not _all_ignored(m, ignored)]
+    if plugin.activation_checkpointing and not wrapped:
+        raise ValueError(
+            "activation_checkpointing=True checkpoints the submodules the auto_wrap_policy selects, and "
+            f"auto_wrap_policy={_policy_name(plugin)!r} selects none in {type(model).__name__}; use "
+            "transformer_based_wrap (with transformer_cls_names_to_wrap) or size_based_wrap."
+        )
+    return wrapped
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _policy_name(plugin) -> str:
+    policy = plugin.auto_wrap_policy
+    return policy if isinstance(policy, str) else getattr(policy, "__name__", repr(policy))
+
+
+def _wrap_candidates(model, plugin) -> list:
+    policy = plugin.auto_wrap_policy
+    if policy == "no_wrap":
+        return []
+    if policy == "transformer_based_wrap":
+        return _by_class(model, plugin)
+    if policy == "size_based_wrap":
+        return _by_size(model, plugin.min_num_params)
+    return _by_callable(model, policy)
+
+
+def _post_order(model) -> list:
+    """Submodules, children before parents, the root excluded."""
+    out = []
+
+    def visit(module):
+        for child in module.children():
+            visit(child)
+            out.append(child)
+
+    visit(model)
+    return list(dict.fromkeys(out))  # a module reachable twice is sharded once
+
+
+def _by_class(model, plugin) -> list:
+    names = plugin.transformer_cls_names_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError(
+            "auto_wrap_policy='transformer_based_wrap' needs transformer_cls_names_to_wrap (the layer class names, "
+            f"e.g. {_class_names(model)[:3]}), and {type(model).__name__} has no _no_split_modules to default to."
+        )
+    present = set(_class_names(model))
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise ValueError(
+            f"transformer_cls_names_to_wrap names {missing}, which {type(model).__name__} does not contain; "
+            f"its module classes are: {', '.join(_class_names(model))}."
+        )
+    return [m for m in _post_order(model) if type(m).__name__ in names]
+
+
+def _class_names(model) -> list:
+    return list(dict.fromkeys(type(m).__name__ for m in model.modules()))
+
+
+def _by_size(model, min_num_params: int) -> list:
+    """torch's size rule: a module is wrapped when the parameters not yet wrapped below it reach the minimum."""
+    if min_num_params <= 0:
+        return []
+    wrapped = []
+
+    def remaining(module) -> int:
+        count = sum(p.numel() for p in module.parameters(recurse=False))
+        for child in module.children():
+            count += remaining(child)
+        if module is not model and count >= min_num_params:
+            wrapped.append(module)
+            return 0
+        return count
+
+    remaining(model)
+    return wrapped
+
+
+def _by_callable(model, policy) -> list:
+    try:
+        torch_style = "recurse" in inspect.signature(policy).parameters
+    except (TypeError, ValueError):
+        torch_style = False
+    chosen = []
+    for module in _post_order(model):
+        if torch_style:
+            numel = sum(p.numel() for p in module.parameters())
+            take = policy(module=module, recurse=False, nonwrapped_numel=numel)
+        else:
+            take = policy(module)
+        if take:
+            chosen.append(module)
+    return chosen
+
+
+def ignored_parameters(model, plugin) -> set:
+    spec = plugin.ignored_modules
+    if spec is None:
+        return set()
+    if isinstance(spec, str):
+        pattern = re.compile(spec)
+        modules = [m for name, m in model.named_modules() if pattern.fullmatch(name)]
+        if not modules:
+            raise ValueError(
+                f"ignored_modules={spec!r} matches no module name of {type(model).__name__}; names look like "
+                f"{[n for n, _ in model.named_modules() if n][:5]}."
+            )
+    else:
+        modules = list(spec)
+        own = {id(m) for m in model.modules()}
+        strangers = [type(m).__name__ for m in modules if id(m) not in own]
+        if strangers:
+            raise ValueError(f"ignored_modules has modules that are not part of the model: {strangers}.")
+    return {p for m in modules for p in m.parameters()}
+
+
+def _all_ignored(module, ignored: set) -> bool:
+    params = list(module.parameters())
+    return bool(params) and all(p in ignored for p in params)
+
+
+# -- sharding -----------------------------------------------------------------------------------------
+def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=()) -> torch.nn.Module:
+    """fully_shard each of `wrapped`, then the root. `param_map` records each replaced parameter
+    (id -> (weak reference, sharded parameter)); `optimizers` already prepared are re-pointed."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if plugin.activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        for module in wrapped:
+            checkpoint(module)
+    slots = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
+    offload = plugin.cpu_offload
+    kwargs = {
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload
+        if isinstance(offload, OffloadPolicy)
+        else (CPUOffloadPolicy() if offload else OffloadPolicy()),
+    }
+    ignored = ignored_parameters(model, plugin)
+    if ignored:
+        kwargs["ignored_params"] = ignored
+    for module in wrapped:
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    for module, name, old in slots:
+        new = module._parameters.get(name)
+        if new is not None and new is not old:
+            param_map[id(old)] = (weakref.ref(old), new)
+    for optimizer in optimizers:
+        repoint_optimizer(getattr(optimizer, "optimizer", optimizer), param_map)
+    return model
+
+
+def repoint_optimizer(optimizer, param_map: dict) -> None:
+    """Replace, in the optimizer's groups, parameters that fully_shard replaced by their sharded ones."""
+    if not param_map:
+        return
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            entry = param_map.get(id(p))
+            if entry is None or entry[0]() is not p:
+                continue
+            if optimizer.state.get(p):
+                raise ValueError(
+                    f"{type(optimizer).__name__} has already stepped on the unsharded parameters, so its state "
+                    "cannot follow them into shards; prepare the model and the optimizer before the first step."
+                )
+            params[i] = entry[1]
+
+
+# -- the training step ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def no_sync(model, sync: bool = False):
+    """Inside, FSDP's reduce-scatter of gradients is off (sync=True: on); the setting outside it
+    (trigger_sync_in_backward nests in no_sync) is restored on exit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    outside = getattr(model, _SYNC_FLAG, True)
+    _set_sync(model, sync)
+    try:
+        yield
+    finally:
+        _set_sync(model, outside)
+
+
+_SYNC_FLAG = "_notebook_accel_gradient_sync"  # torch's FSDPModule has a setter for it, no getter
+
+
+def _set_sync(model, sync: bool) -> None:
+    model.set_requires_gradient_sync(sync)
+    object.__setattr__(model, _SYNC_FLAG, sync)
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2):
+    """torch's clip_grad_norm_; with DTensor gradients the norm (a replicated DTensor) comes back as a tensor."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm
+
+
+def full_state_dict(model) -> dict:
+    """The full (unsharded) state dict on CPU on rank 0, {} elsewhere; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def refuse_checkpoint(state, what: str) -> None:
+    if sharding(state):
+        raise NotImplementedError(
+            f"{what} with FSDP is not implemented by notebook_accel yet (sharded checkpoints through "
+            "torch.distributed.checkpoint are a later slice). Save the full weights with "
+            "accelerator.save_model(model, folder) or accelerator.get_state_dict(model) meanwhile."
+        )

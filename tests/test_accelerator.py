@@ -14,15 +14,6 @@ from mp import run_ranks
 from notebook_accel import Accelerator, AcceleratorState, GradientState, PartialState
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world, per_rank_batch, accumulation", [(1, 4, 2), (2, 4, 2), (4, 2, 2), (2, 8, 1)])
 def test_accumulated_training_equals_single_process_global_batch(world, per_rank_batch, accumulation):

@@ -5,22 +5,13 @@ import pytest
 import torch
 from fsdp_targets import bad_inputs, is_block, mixed_precision_step, train
 
-from notebook_accel import Accelerator, AcceleratorState, GradientState, notebook_launcher
+from notebook_accel import Accelerator, AcceleratorState, notebook_launcher
 from notebook_accel.launch.sinks import ListSink
 from notebook_accel.utils import FullyShardedDataParallelPlugin
 
 TIMEOUT = 120
 # fp32, same arithmetic; only the order of a reduction may differ between reduce-scatter and all-reduce.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def on_ranks(function, *args, world=2):

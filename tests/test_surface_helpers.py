@@ -31,16 +31,6 @@ from notebook_accel.utils import (
     wait_for_everyone,
 )
 
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 # -- versions -------------------------------------------------------------------------------------
 
 

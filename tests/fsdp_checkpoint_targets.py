@@ -1,0 +1,145 @@
+"""Functions run on real gloo ranks by tests/test_fsdp_checkpoint.py: train the FSDP MLP, save_state,
+keep training; a fresh run that loads the checkpoint and trains the same steps; failing saves."""
+
+import torch
+from fsdp_targets import _plugin, make_mlp
+
+
+class Counter:
+    """A registered object: checkpointed with everything else; `fail` makes its state_dict raise."""
+
+    def __init__(self):
+        self.steps = 0
+        self.fail = False
+
+    def state_dict(self):
+        if self.fail:
+            raise RuntimeError("injected failure while writing the checkpoint")
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+def batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(4, 4, generator=g)
+    return x, x.sum(dim=1, keepdim=True)
+
+
+def _setup(state_dict_type, seed):
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator(fsdp_plugin=_plugin(state_dict_type=state_dict_type))
+    model = make_mlp(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    return accelerator, model, opt, sched, counter
+
+
+def _steps(accelerator, model, opt, sched, counter, first, count):
+    for step in range(first, first + count):
+        x, y = batch(step, accelerator.process_index)
+        loss = torch.nn.functional.mse_loss(model(x), y) + 1e-3 * torch.rand(())  # the RNG state matters too
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        counter.steps += 1
+
+
+def _local(value):
+    value = value.detach()
+    return (value.to_local() if hasattr(value, "to_local") else value).clone()
+
+
+def _snapshot(accelerator, model, opt, sched, counter):
+    """This rank's shards of the parameters and of the optimizer state, exactly."""
+    inner = opt.optimizer
+    names = {id(p): n for n, p in model.named_parameters()}
+    optim = {
+        names[id(p)]: {k: _local(v) for k, v in inner.state[p].items()}
+        for group in inner.param_groups
+        for p in group["params"]
+        if p in inner.state
+    }
+    return {
+        "params": {n: _local(p) for n, p in model.named_parameters()},
+        "optim": optim,
+        "lr": sched.get_last_lr(),
+        "counter": counter.steps,
+        "rng": torch.rand(3),
+    }
+
+
+def train_save_continue(folder, state_dict_type, first=3, then=3):
+    """Train `first` steps, save, train `then` more: the snapshot after, and the full weights saved."""
+    run = _setup(state_dict_type, seed=3)
+    accelerator = run[0]
+    _steps(*run, 0, first)
+    saved = accelerator.get_state_dict(run[1])
+    accelerator.save_state(folder)
+    listing = sorted(_listing(folder))
+    _steps(*run, first, then)
+    return {"after": _snapshot(*run), "saved": saved, "listing": listing}
+
+
+def load_continue(folder, state_dict_type, first=3, then=3):
+    """A fresh run (another seed) that loads the checkpoint and trains the same `then` steps."""
+    run = _setup(state_dict_type, seed=11)
+    accelerator = run[0]
+    accelerator.load_state(folder)
+    loaded = accelerator.get_state_dict(run[1])
+    _steps(*run, first, then)
+    return {"after": _snapshot(*run), "loaded": loaded}
+
+
+def _listing(folder):
+    import os
+
+    return [
+        os.path.relpath(os.path.join(root, name), folder)
+        for root, _, files in os.walk(folder)
+        for name in files
+    ]
+
+
+def failing_saves(folder, state_dict_type):
+    """A good save, then saves that fail (a pre-hook on rank 1 only; the writer's registered object):
+    each raises on every rank, and the good checkpoint is still there and loads."""
+    import torch.distributed as dist
+
+    run = _setup(state_dict_type, seed=3)
+    accelerator, model = run[0], run[1]
+    _steps(*run, 0, 2)
+    good = accelerator.get_state_dict(model)
+    accelerator.save_state(folder)
+    _steps(*run, 2, 2)
+    errors = []
+
+    def hook(models, weights, output_dir):
+        if dist.get_rank() == 1:
+            raise OSError("injected: rank 1 cannot write")
+
+    handle = accelerator.register_save_state_pre_hook(hook)
+    try:
+        accelerator.save_state(folder)
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    handle.remove()
+    run[4].fail = dist.get_rank() == 0
+    try:
+        accelerator.save_state(folder)
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    run[4].fail = False
+    accelerator.load_state(folder)
+    return {
+        "errors": errors,
+        "good": good,
+        "loaded": accelerator.get_state_dict(model),
+        "listing": sorted(_listing(folder)),
+    }

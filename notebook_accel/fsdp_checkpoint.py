@@ -17,6 +17,7 @@ checkpoint metadata classes, and the non-tensor items with `torch.load(weights_o
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 import uuid
@@ -27,6 +28,9 @@ import torch
 from . import checkpointing
 from .serialization import CheckpointError
 from .utils.checkpoint_files import find_checkpoint
+from .utils.random import capture_rng_states, restore_rng_states
+
+logger = logging.getLogger(__name__)
 
 MODEL_FOLDER = "pytorch_model_fsdp"
 OPTIMIZER_FOLDER = "optimizer"
@@ -251,23 +255,39 @@ def load_state(accelerator, input_dir: Optional[str] = None, **kwargs) -> None:
         _load_sharded(folder, models, owners, acc._optimizers, strict)
         models_for_files, optims_for_files, load_model = [], [], None
     else:
+        _together("checking the checkpoint", lambda: _check_full(folder, len(models), len(owners)))
         models_for_files = models
         optims_for_files = [_FullOptimizer(m, _inner(o)) for m, o in zip(owners, acc._optimizers)]
         load_model = _set_full_model
+    # A rank the saving run did not have (more ranks now: the shards were resharded) has no RNG
+    # states or loader positions of its own: it loads the shared pieces and keeps its RNG.
+    new_rank = not os.path.isfile(
+        os.path.join(folder, f"{checkpointing.RNG_STATE_NAME}_{acc.process_index}.pkl")
+    )
+    if new_rank:
+        logger.warning(
+            "Rank %d is not in the checkpoint %s (saved on fewer ranks): its model and optimizer shards are "
+            "resharded from the saved ones; its RNG states and data loader positions are not restored.",
+            acc.process_index,
+            folder,
+        )
+    kept_rng = capture_rng_states() if new_rank else None
     checkpointing.load_accelerator_state(
         folder,
         models_for_files,
         optims_for_files,
         acc._schedulers,
-        acc._dataloaders,
-        acc.process_index,
+        [] if new_rank else acc._dataloaders,
+        0 if new_rank else acc.process_index,
         scaler=acc.scaler,
         custom_objects=acc._custom_objects,
         map_location=map_location,
-        strict=strict,
+        strict=strict and not new_rank,  # the ranks that were saved check the same files strictly
         load_model_func=load_model,
         trust_pickled_objects=trust,
     )
+    if kept_rng is not None:
+        restore_rng_states(kept_rng)
     number = checkpointing._number(input_dir)
     if config.automatic_checkpoint_naming and number is not None:
         config.iteration = number + 1
@@ -284,6 +304,29 @@ def _check_sharded(folder: str, n_models: int, n_optimizers: int) -> None:
         raise CheckpointError(
             f"The checkpoint {folder!r} has no sharded {', '.join(missing)} (its .metadata)."
         )
+
+
+def _check_full(folder: str, n_models: int, n_optimizers: int) -> None:
+    """The files every rank reads before the collectives that set the shards (so none waits in one)."""
+    names = [checkpointing._indexed(checkpointing.OPTIMIZER_NAME, i, ".bin") for i in range(n_optimizers)]
+    for i in range(n_models):
+        names.append(
+            next((n for n in _model_files(i) if os.path.isfile(os.path.join(folder, n))), _model_files(i)[0])
+        )
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint {folder!r} has no {', '.join(missing)} (FULL_STATE_DICT save)."
+        )
+
+
+def _model_files(i: int) -> list:
+    from .serialization import MODEL_NAME, WEIGHTS_NAME
+
+    return [
+        checkpointing._indexed(MODEL_NAME, i, ".safetensors"),
+        checkpointing._indexed(WEIGHTS_NAME, i, ".bin"),
+    ]
 
 
 def _load_sharded(folder: str, models: list, owners: list, optimizers: list, strict: bool) -> None:

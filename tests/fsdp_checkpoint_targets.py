@@ -143,3 +143,59 @@ def failing_saves(folder, state_dict_type):
         "loaded": accelerator.get_state_dict(model),
         "listing": sorted(_listing(folder)),
     }
+
+
+def unshared_folders(folder):
+    """save_state where ranks name different folders, then where rank 1 cannot see what rank 0 writes:
+    the same error on every rank, and nothing written."""
+    import os
+
+    import torch.distributed as dist
+
+    from notebook_accel import fsdp_checkpoint
+
+    accelerator, model = _setup("SHARDED_STATE_DICT", seed=3)[:2]
+    rank = dist.get_rank()
+    errors = []
+    try:
+        accelerator.save_state(os.path.join(folder, f"rank{rank}"))
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    if rank == 1:  # rank 1 stands on another machine: rank 0's files are not there
+        real = os.path.isfile
+        fsdp_checkpoint.os.path.isfile = lambda path: False if ".probe-" in path else real(path)
+    try:
+        accelerator.save_state(os.path.join(folder, "shared"))
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
+def load_only(folder, state_dict_type="SHARDED_STATE_DICT"):
+    """A fresh run loads the checkpoint: the full weights and AdamW state (gathered on rank 0), and
+    how much of inp.weight this rank holds."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    accelerator, model, opt, sched, counter = _setup(state_dict_type, seed=11)
+    accelerator.load_state(folder)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "loaded": accelerator.get_state_dict(model),
+        "optim": get_optimizer_state_dict(model, opt.optimizer, options=full).get("state", {}),
+        "inp_rows": _local(model.inp.weight).shape[0],
+        "counter": counter.steps,
+    }
+
+
+def save_only(folder, state_dict_type="SHARDED_STATE_DICT", steps=3):
+    """Train, save; the full weights and AdamW state at the save (gathered on rank 0)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    run = _setup(state_dict_type, seed=3)
+    _steps(*run, 0, steps)
+    run[0].save_state(folder)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "saved": run[0].get_state_dict(run[1]),
+        "optim": get_optimizer_state_dict(run[1], run[2].optimizer, options=full).get("state", {}),
+    }

@@ -147,3 +147,33 @@ def test_metadata_is_read_without_running_code(tmp_path, capsys):
     # torch wraps each rank's error; ours names what the file asked for, and nothing ran.
     assert "The checkpoint's .metadata names builtins.print" in str(caught.value.failures)
     assert "code ran" not in capsys.readouterr().out
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_a_sharded_checkpoint_needs_one_folder_every_rank_sees(tmp_path):
+    from fsdp_checkpoint_targets import unshared_folders
+
+    for different, blind in on_ranks(unshared_folders, str(tmp_path)):
+        assert different.startswith("ValueError: An FSDP checkpoint is one folder that every rank writes")
+        assert (
+            "rank 0: " + str(tmp_path / "rank0") in different
+            and "rank 1: " + str(tmp_path / "rank1") in different
+        )
+        assert blind.startswith(
+            "CheckpointError: An FSDP checkpoint needs a folder every rank sees, and rank(s) [1]"
+        )
+    assert list(tmp_path.iterdir()) == []  # nothing written, no probe left
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 30)
+def test_sharded_checkpoint_from_2_ranks_loads_on_4(tmp_path):
+    """Resharding on load: halves saved by 2 ranks become quarters on 4, the same numbers exactly."""
+    from fsdp_checkpoint_targets import load_only, save_only
+
+    folder = str(tmp_path / "ckpt")
+    saved = on_ranks(save_only, folder)[0]
+    loaded = on_ranks(load_only, folder, world=4)
+    assert [r["inp_rows"] for r in loaded] == [2, 2, 2, 2] and all(r["counter"] == 3 for r in loaded)
+    assert loaded[0]["loaded"] and saved["optim"]["inp.weight"]["exp_avg"].shape == (8, 4)
+    assert_identical(loaded[0]["loaded"], saved["saved"])
+    assert_identical(loaded[0]["optim"], saved["optim"])

@@ -69,7 +69,7 @@ GROUPS = {
         ],
     ),
     "fsdp": (
-        "FSDP2 helpers beyond prepare (sharded checkpoints, RAM-efficient loading, FSDP1): later slices of issue #17",
+        "FSDP2 helpers beyond prepare and save_state / load_state (the standalone checkpoint helpers, RAM-efficient loading, FSDP1): later slices of issue #17",
         [
             "utils.dataclasses.get_module_class_from_name",
             "utils.disable_fsdp_ram_efficient_loading",

@@ -16,10 +16,8 @@ checkpoint metadata classes, and the non-tensor items with `torch.load(weights_o
 
 from __future__ import annotations
 
-import io
 import logging
 import os
-import pickle
 import uuid
 from typing import Optional
 
@@ -28,6 +26,7 @@ import torch
 from . import checkpointing
 from .serialization import CheckpointError
 from .utils.checkpoint_files import find_checkpoint
+from .utils.dcp_plain import PlainLoadPlanner, PlainReader
 from .utils.random import capture_rng_states, restore_rng_states
 
 logger = logging.getLogger(__name__)
@@ -369,92 +368,3 @@ class _FullOptimizer:
         set_optimizer_state_dict(
             self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True)
         )
-
-
-# -- reading torch.distributed.checkpoint folders as plain data --------------------------------------
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only what torch writes into a checkpoint's .metadata: its metadata records, torch.Size,
-    dtypes and memory formats, and plain containers."""
-
-    def find_class(self, module: str, name: str):
-        allowed = (
-            _checkpoint_record(module, name)
-            or (
-                module == "torch"
-                and (
-                    name == "Size"
-                    or isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))
-                )
-            )
-            or (module == "torch.serialization" and name == "_get_layout")  # a layout by name (torch.strided)
-            or (
-                module == "pathlib"
-                and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
-            )
-            or (module == "collections" and name == "OrderedDict")
-            or (module == "builtins" and name in ("set", "frozenset", "slice", "tuple", "list", "dict"))
-        )
-        if not allowed:
-            raise CheckpointError(
-                f"The checkpoint's .metadata names {module}.{name}, which a torch.distributed.checkpoint metadata "
-                "file does not hold; it was not loaded (unpickling it would run code the file names)."
-            )
-        return super().find_class(module, name)
-
-
-def _checkpoint_record(module: str, name: str) -> bool:
-    """A dataclass or enum that torch.distributed.checkpoint defines (its metadata records)."""
-    import dataclasses
-    import enum
-    import sys
-
-    if not module.startswith("torch.distributed.checkpoint.") or "." in name or module not in sys.modules:
-        return False
-    found = getattr(sys.modules[module], name, None)
-    return (
-        isinstance(found, type)
-        and found.__module__ == module
-        and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))
-    )
-
-
-def _plain_reader_class():
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class PlainReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = _MetadataUnpickler(stream).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return PlainReader
-
-
-def _plain_planner_class():
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
-
-    class PlainLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)  # torch's own planner allows any pickle here
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    return PlainLoadPlanner
-
-
-def PlainReader(path: str):  # noqa: N802 (a class, built on first use so importing this module imports no dcp)
-    return _plain_reader_class()(path)
-
-
-def PlainLoadPlanner():  # noqa: N802
-    return _plain_planner_class()()

@@ -124,7 +124,7 @@ def test_metadata_is_read_without_running_code(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from notebook_accel.fsdp_checkpoint import PlainLoadPlanner, PlainReader
+    from notebook_accel.utils.dcp_plain import PlainLoadPlanner, PlainReader
 
     good = tmp_path / "good"
     dcp.save({"w": torch.arange(6.0), "n": 3, "s": "text"}, checkpoint_id=str(good))
@@ -177,3 +177,15 @@ def test_sharded_checkpoint_from_2_ranks_loads_on_4(tmp_path):
     assert loaded[0]["loaded"] and saved["optim"]["inp.weight"]["exp_avg"].shape == (8, 4)
     assert_identical(loaded[0]["loaded"], saved["saved"])
     assert_identical(loaded[0]["optim"], saved["optim"])
+    # accelerate's merge_fsdp_weights: the sharded model folder as one full file, in this process.
+    from safetensors.torch import load_file
+
+    from notebook_accel.utils import merge_fsdp_weights
+
+    path = merge_fsdp_weights(tmp_path / "ckpt" / "pytorch_model_fsdp_0", str(tmp_path / "merged"))
+    assert path == str(tmp_path / "merged" / "model.safetensors")
+    assert_identical(dict(sorted(load_file(path).items())), dict(sorted(saved["saved"].items())))
+    with pytest.raises(
+        ValueError, match=r"no \.metadata\); it holds pytorch_model_fsdp_0, optimizer_0: pass"
+    ):
+        merge_fsdp_weights(folder, str(tmp_path / "merged"))

@@ -51,6 +51,7 @@ _EXPORTS = {
     },
     # random
     "find_checkpoint": "checkpoint_files",
+    "merge_fsdp_weights": "dcp_plain",
     "set_seed": "random",
     "synchronize_rng_states": "random",
     "synchronize_rng_state": "random",

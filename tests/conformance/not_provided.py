@@ -83,7 +83,6 @@ GROUPS = {
             "utils.get_fsdp2_grad_scaler",
             "utils.load_fsdp_model",
             "utils.load_fsdp_optimizer",
-            "utils.merge_fsdp_weights",
             "utils.save_fsdp_model",
             "utils.save_fsdp_optimizer",
             "utils.compile_regions_fsdp2",

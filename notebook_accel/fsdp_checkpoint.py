@@ -173,10 +173,11 @@ class _Fixed:
 def _write_sharded(folder: str, weights: list, optims: list) -> None:
     import torch.distributed.checkpoint as dcp
 
+    # Under "model" / "optimizer", as accelerate writes them: either library loads the other's folders.
     for i, state in enumerate(weights):
-        dcp.save(state, checkpoint_id=os.path.join(folder, f"{MODEL_FOLDER}_{i}"))
+        dcp.save({"model": state}, checkpoint_id=os.path.join(folder, f"{MODEL_FOLDER}_{i}"))
     for i, state in enumerate(optims):
-        dcp.save(state, checkpoint_id=os.path.join(folder, f"{OPTIMIZER_FOLDER}_{i}"))
+        dcp.save({"optimizer": state}, checkpoint_id=os.path.join(folder, f"{OPTIMIZER_FOLDER}_{i}"))
 
 
 def _check_shared_folder(output_dir: str) -> None:
@@ -339,15 +340,15 @@ def _load_sharded(folder: str, models: list, owners: list, optimizers: list, str
     )
 
     for i, model in enumerate(models):
-        state = get_model_state_dict(model)
+        state = {"model": get_model_state_dict(model)}  # this rank's shards, filled in place
         path = os.path.join(folder, f"{MODEL_FOLDER}_{i}")
         dcp.load(state, storage_reader=PlainReader(path), planner=PlainLoadPlanner())
-        set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
     for i, (model, optimizer) in enumerate(zip(owners, optimizers)):
-        state = get_optimizer_state_dict(model, _inner(optimizer))
+        state = {"optimizer": get_optimizer_state_dict(model, _inner(optimizer))}
         path = os.path.join(folder, f"{OPTIMIZER_FOLDER}_{i}")
         dcp.load(state, storage_reader=PlainReader(path), planner=PlainLoadPlanner())
-        set_optimizer_state_dict(model, _inner(optimizer), state)
+        set_optimizer_state_dict(model, _inner(optimizer), state["optimizer"])
 
 
 def _set_full_model(model, state: dict, strict: bool) -> None:

@@ -177,6 +177,16 @@ def test_sharded_checkpoint_from_2_ranks_loads_on_4(tmp_path):
     assert loaded[0]["loaded"] and saved["optim"]["inp.weight"]["exp_avg"].shape == (8, 4)
     assert_identical(loaded[0]["loaded"], saved["saved"])
     assert_identical(loaded[0]["optim"], saved["optim"])
+    # accelerate's layout inside the folders: entries under "model" / "optimizer".
+    from notebook_accel.utils.dcp_plain import PlainReader
+
+    for name, top in (("pytorch_model_fsdp_0", "model"), ("optimizer_0", "optimizer")):
+        keys = PlainReader(str(tmp_path / "ckpt" / name)).read_metadata().state_dict_metadata
+        assert keys and all(k.startswith(top + ".") for k in keys), list(keys)
+    assert (
+        "model.inp.weight"
+        in PlainReader(str(tmp_path / "ckpt" / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata
+    )
     # accelerate's merge_fsdp_weights: the sharded model folder as one full file, in this process.
     from safetensors.torch import load_file
 

@@ -146,6 +146,10 @@ def merge_fsdp_weights(
             if isinstance(m, TensorStorageMetadata)
         }
         dcp.load(merged, storage_reader=reader, planner=PlainLoadPlanner(), no_dist=True)
+        # A folder save_state (or accelerate) wrote holds one top-level entry, "model": unwrap it.
+        tops = {k.split(".", 1)[0] for k in merged}
+        if len(tops) == 1 and all("." in k for k in merged):
+            merged = {k.split(".", 1)[1]: v for k, v in merged.items()}
         tensors = {k: v.contiguous() for k, v in merged.items() if isinstance(v, torch.Tensor)}
         os.makedirs(output_path, exist_ok=True)
         if safe_serialization:

@@ -199,3 +199,35 @@ def save_only(folder, state_dict_type="SHARDED_STATE_DICT", steps=3):
         "saved": run[0].get_state_dict(run[1]),
         "optim": get_optimizer_state_dict(run[1], run[2].optimizer, options=full).get("state", {}),
     }
+
+
+def automatic_naming(project_dir):
+    """ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2) in an FSDP run: three
+    saves keep the last two; load_state() with no folder loads the latest."""
+    import os
+
+    from notebook_accel import Accelerator
+    from notebook_accel.utils import ProjectConfiguration
+
+    config = ProjectConfiguration(project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=2)
+    accelerator = Accelerator(fsdp_plugin=_plugin(), project_config=config)
+    model = make_mlp(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = accelerator.prepare(model, opt)
+    saved = []
+    for step in range(3):
+        x, y = batch(step, accelerator.process_index)
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        accelerator.save_state()
+        saved.append(_local(model.inp.weight))
+    with torch.no_grad():
+        model.inp.weight.zero_()
+    accelerator.load_state()
+    root = os.path.join(project_dir, "checkpoints")
+    return {
+        "folders": sorted(os.listdir(root)),
+        "restored": torch.equal(_local(model.inp.weight), saved[-1]),
+        "iteration": accelerator.project_configuration.iteration,
+    }

@@ -199,3 +199,11 @@ def test_sharded_checkpoint_from_2_ranks_loads_on_4(tmp_path):
         ValueError, match=r"no \.metadata\); it holds pytorch_model_fsdp_0, optimizer_0: pass"
     ):
         merge_fsdp_weights(folder, str(tmp_path / "merged"))
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_automatic_naming_and_rotation_in_an_fsdp_run(tmp_path):
+    from fsdp_checkpoint_targets import automatic_naming
+
+    for result in on_ranks(automatic_naming, str(tmp_path)):
+        assert result == {"folders": ["checkpoint_1", "checkpoint_2"], "restored": True, "iteration": 3}

@@ -231,3 +231,29 @@ def automatic_naming(project_dir):
         "restored": torch.equal(_local(model.inp.weight), saved[-1]),
         "iteration": accelerator.project_configuration.iteration,
     }
+
+
+def fsdp_helpers(folder, state_dict_type):
+    """accelerate's save_fsdp_model / save_fsdp_optimizer, then load_fsdp_* into a fresh run: the
+    shards of the parameters and of AdamW's state come back exactly."""
+    from notebook_accel.utils import (
+        load_fsdp_model,
+        load_fsdp_optimizer,
+        save_fsdp_model,
+        save_fsdp_optimizer,
+    )
+
+    run = _setup(state_dict_type, seed=3)
+    accelerator, model, opt = run[:3]
+    _steps(*run, 0, 2)
+    plugin = accelerator.state.fsdp_plugin
+    save_fsdp_model(plugin, accelerator, model, folder)
+    save_fsdp_optimizer(plugin, accelerator, opt, model, folder)
+    before = _snapshot(*run)
+    fresh = _setup(state_dict_type, seed=11)
+    load_fsdp_model(plugin, fresh[0], fresh[1], folder)
+    load_fsdp_optimizer(plugin, fresh[0], fresh[2], fresh[1], folder)
+    after = _snapshot(*fresh)
+    import os
+
+    return {"before": before, "after": after, "files": sorted(os.listdir(folder))}

@@ -207,3 +207,21 @@ def test_automatic_naming_and_rotation_in_an_fsdp_run(tmp_path):
 
     for result in on_ranks(automatic_naming, str(tmp_path)):
         assert result == {"folders": ["checkpoint_1", "checkpoint_2"], "restored": True, "iteration": 3}
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_accelerates_fsdp_save_and_load_helpers(tmp_path, kind):
+    from fsdp_checkpoint_targets import fsdp_helpers
+
+    results = on_ranks(fsdp_helpers, str(tmp_path / "out"), kind)
+    files = (
+        ["optimizer_0", "pytorch_model_fsdp_0"]
+        if kind == "SHARDED_STATE_DICT"
+        else ["optimizer.bin", "pytorch_model_fsdp.bin"]
+    )
+    for result in results:
+        assert result["files"] == files
+        for part in ("params", "optim"):
+            assert result["after"][part] and list(result["after"][part]) == list(result["before"][part])
+            assert_identical(result["after"][part], result["before"][part])

@@ -225,3 +225,23 @@ def test_accelerates_fsdp_save_and_load_helpers(tmp_path, kind):
         for part in ("params", "optim"):
             assert result["after"][part] and list(result["after"][part]) == list(result["before"][part])
             assert_identical(result["after"][part], result["before"][part])
+
+
+@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_one_process_fsdp_run_saves_and_loads_the_same_layout(tmp_path, kind):
+    """FSDP on one process (nothing sharded) writes the layout its state_dict_type names, and loads it."""
+    from fsdp_checkpoint_targets import _setup, _snapshot, _steps
+
+    run = _setup(kind, seed=3)
+    _steps(*run, 0, 2)
+    run[0].save_state(str(tmp_path / "ckpt"))
+    saved = _snapshot(*run)
+    model_entry = "pytorch_model_fsdp_0" if kind == "SHARDED_STATE_DICT" else "model.safetensors"
+    assert (tmp_path / "ckpt" / model_entry).exists()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    fresh = _setup(kind, seed=11)
+    fresh[0].load_state(str(tmp_path / "ckpt"))
+    loaded = _snapshot(*fresh)
+    for part in ("params", "optim", "lr", "counter"):
+        assert_identical(loaded[part], saved[part])

@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 MODEL_FOLDER = "pytorch_model_fsdp"
 OPTIMIZER_FOLDER = "optimizer"
-FULL_OPTIMIZER_NAME = "optimizer"
 
 
 def applies(state) -> bool:
@@ -173,7 +172,7 @@ class _Fixed:
 def _write_sharded(folder: str, weights: list, optims: list) -> None:
     import torch.distributed.checkpoint as dcp
 
-    # Under "model" / "optimizer", as accelerate writes them: either library loads the other's folders.
+    # Under "model" / "optimizer", as accelerate writes them (its merge_fsdp_weights reads these folders).
     for i, state in enumerate(weights):
         dcp.save({"model": state}, checkpoint_id=os.path.join(folder, f"{MODEL_FOLDER}_{i}"))
     for i, state in enumerate(optims):
@@ -248,7 +247,7 @@ def load_state(accelerator, input_dir: Optional[str] = None, **kwargs) -> None:
         )
     models = list(acc._models)
     owners = [_model_of(_inner(o), models) for o in acc._optimizers]
-    acc._run_state_pre_hooks("load", models, folder)
+    _together("load_state's pre-hooks", lambda: acc._run_state_pre_hooks("load", models, folder))
     sharded = os.path.isdir(os.path.join(folder, f"{MODEL_FOLDER}_0")) or not models
     if sharded:
         _together("checking the sharded checkpoint", lambda: _check_sharded(folder, len(models), len(owners)))

@@ -136,6 +136,17 @@ def failing_saves(folder, state_dict_type):
     except Exception as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     run[4].fail = False
+
+    def load_hook(models, input_dir):
+        if dist.get_rank() == 1:
+            raise OSError("injected: rank 1 cannot read")
+
+    handle = accelerator.register_load_state_pre_hook(load_hook)
+    try:
+        accelerator.load_state(folder)
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    handle.remove()
     accelerator.load_state(folder)
     return {
         "errors": errors,

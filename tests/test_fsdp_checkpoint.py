@@ -107,7 +107,9 @@ def test_failed_saves_leave_the_previous_checkpoint(tmp_path, kind):
     folder = tmp_path / "ckpt"
     results = on_ranks(failing_saves, str(folder), kind)
     for result in results:
-        hook_error, writer_error = result["errors"]
+        hook_error, writer_error, load_hook_error = result["errors"]
+        assert load_hook_error.startswith("CheckpointError: load_state's pre-hooks failed")
+        assert "rank 1: OSError: injected: rank 1 cannot read" in load_hook_error
         assert (
             "CheckpointError" in hook_error and "rank 1: OSError: injected: rank 1 cannot write" in hook_error
         )

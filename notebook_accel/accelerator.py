@@ -495,24 +495,16 @@ class Accelerator(AcceleratorTools):
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs) -> str:
         """Save models, optimizers, schedulers, scaler, loaders' positions, registered objects and RNG."""
-        from .checkpointing import save_state
+        from .fsdp_checkpoint import save_state  # checkpointing.save_state unless the run uses FSDP
 
-        fsdp.refuse_checkpoint(self.state, "save_state")
         return save_state(self, output_dir, safe_serialization=safe_serialization)
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs) -> None:
         """Restore everything save_state wrote (no input_dir + automatic naming: the latest). Loaders
         resume mid-epoch only with use_stateful_dataloader=True, else replay the epoch (see README)."""
-        from .checkpointing import load_state
+        from .fsdp_checkpoint import load_state  # checkpointing.load_state unless the run uses FSDP
 
-        fsdp.refuse_checkpoint(self.state, "load_state")
-        load_state(
-            self,
-            input_dir,
-            map_location=kwargs.get("map_location", "cpu"),
-            strict=kwargs.get("strict", True),
-            trust_pickled_objects=kwargs.get("trust_pickled_objects", False),
-        )
+        load_state(self, input_dir, **kwargs)
 
     def save_model(
         self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True

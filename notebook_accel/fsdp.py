@@ -308,11 +308,3 @@ def full_state_dict(model) -> dict:
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-
-def refuse_checkpoint(state, what: str) -> None:
-    if sharding(state):
-        raise NotImplementedError(
-            f"{what} with FSDP is not implemented by notebook_accel yet (sharded checkpoints through "
-            "torch.distributed.checkpoint are a later slice). Save the full weights with "
-            "accelerator.save_model(model, folder) or accelerator.get_state_dict(model) meanwhile."
-        )

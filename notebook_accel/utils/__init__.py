@@ -51,6 +51,11 @@ _EXPORTS = {
     },
     # random
     "find_checkpoint": "checkpoint_files",
+    "merge_fsdp_weights": "dcp_plain",
+    **{
+        name: "fsdp_files"
+        for name in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
+    },
     "set_seed": "random",
     "synchronize_rng_states": "random",
     "synchronize_rng_state": "random",

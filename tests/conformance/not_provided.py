@@ -69,7 +69,7 @@ GROUPS = {
         ],
     ),
     "fsdp": (
-        "FSDP2 helpers beyond prepare (sharded checkpoints, RAM-efficient loading, FSDP1): later slices of issue #17",
+        "FSDP2 helpers beyond prepare and save_state / load_state (the standalone checkpoint helpers, RAM-efficient loading, FSDP1): later slices of issue #17",
         [
             "utils.dataclasses.get_module_class_from_name",
             "utils.disable_fsdp_ram_efficient_loading",
@@ -81,11 +81,6 @@ GROUPS = {
             "utils.fsdp2_prepare_model",
             "utils.fsdp2_switch_optimizer_parameters",
             "utils.get_fsdp2_grad_scaler",
-            "utils.load_fsdp_model",
-            "utils.load_fsdp_optimizer",
-            "utils.merge_fsdp_weights",
-            "utils.save_fsdp_model",
-            "utils.save_fsdp_optimizer",
             "utils.compile_regions_fsdp2",
             "utils.model_has_dtensor",
             "accelerator.Accelerator.is_composable_parallelism_enabled",

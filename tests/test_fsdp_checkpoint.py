@@ -14,15 +14,6 @@ from notebook_accel.launch.sinks import ListSink
 TIMEOUT = 120
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def on_ranks(function, *args, world=2):
     return notebook_launcher(
         function, args, num_processes=world, use_port="auto", cpu=True, sinks=[ListSink()], timeout=TIMEOUT

@@ -19,6 +19,8 @@ import threading
 from .. import procs
 from ..child import _die_with_parent
 
+_TEXT_LIMIT = 16 << 10
+
 
 class AgentError(RuntimeError):
     """How the agent process's elastic launch failed, rebuilt here from what it reported."""
@@ -59,13 +61,23 @@ class AgentProcess:
         self.thread.start()
 
     def _wait(self, read_fd: int) -> None:
-        with os.fdopen(read_fd, "rb") as pipe:
-            data = pipe.read()
+        # The agent's exit, not the pipe's end, says it is done: its ranks (and whatever they start)
+        # inherit the write end, so the pipe may stay open after the agent is gone. The report is
+        # small (_describe caps it), so the agent never blocks writing it before it exits.
         try:
             _, status = os.waitpid(self.pid, 0)
             code = os.waitstatus_to_exitcode(status)
         except ChildProcessError:  # reaped by someone else
             code = None
+        os.set_blocking(read_fd, False)
+        data = b""
+        try:
+            while chunk := os.read(read_fd, 1 << 16):
+                data += chunk
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(read_fd)
         if data:
             report = pickle.loads(data)
             self.error = AgentError(report["type"], report["text"], report["failures"])
@@ -75,6 +87,8 @@ class AgentProcess:
 
     def stop(self) -> None:
         """Kill the agent: its ranks die with it (PR_SET_PDEATHSIG), the hub kills their groups."""
+        if not self.thread.is_alive():
+            return  # exited and reaped: its pid may be another process's by now
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -115,4 +129,7 @@ def _describe(error: BaseException) -> dict:
     listed = []
     if isinstance(failures, dict):
         listed = [(r, getattr(f, "pid", None), getattr(f, "exitcode", None)) for r, f in sorted(failures.items())]
-    return {"type": type(error).__name__, "text": str(error), "failures": listed}
+    text = str(error)
+    if len(text) > _TEXT_LIMIT:  # the pipe holds 64 KiB: a longer report would block the agent's exit
+        text = text[: _TEXT_LIMIT // 2] + "\n...\n" + text[-_TEXT_LIMIT // 2 :]
+    return {"type": type(error).__name__, "text": text, "failures": listed[:256]}

@@ -216,7 +216,8 @@ class Accelerator(AcceleratorTools):
         plugin = getattr(self.state, "fsdp_plugin", None)
         wrapped = fsdp.check_model(model, plugin) if plugin is not None and not evaluation_mode else None
         self._models.append(model)
-        if device_placement and not getattr(model, "hf_device_map", None):
+        from_rank0 = wrapped is not None and plugin.cpu_ram_efficient_loading and fsdp.sharding(self.state)
+        if device_placement and not getattr(model, "hf_device_map", None) and not from_rank0:
             model = model.to(self.device)
         if self.mixed_precision == "fp8":
             model = precision.prepare_fp8_model(model)
@@ -225,7 +226,7 @@ class Accelerator(AcceleratorTools):
                 model, self.mixed_precision, self.device, self.autocast_handler
             )
         if wrapped is not None and fsdp.sharding(self.state):
-            model = fsdp.shard_model(model, plugin, wrapped, self._fsdp_params, self._optimizers)
+            model = fsdp.shard_model(model, plugin, wrapped, self._fsdp_params, self._optimizers, self.device)
         model = model_wrapping.wrap_model(
             model, self.state, self.ddp_handler, self.dynamo_plugin, evaluation_mode=evaluation_mode
         )

@@ -88,6 +88,11 @@ def check_model(model: torch.nn.Module, plugin) -> list:
             "remove them (notebook_accel.hooks.remove_hook_from_module(model, recurse=True)) or load the model "
             "without cpu_offload / disk_offload / dispatch_model."
         )
+    if plugin.cpu_ram_efficient_loading and _world_size() == 1 and meta_parameters(model):
+        raise ValueError(
+            "cpu_ram_efficient_loading=True and this one process's model has parameters on the meta device "
+            f"({', '.join(meta_parameters(model)[:3])}); on one process it is rank 0: build the real model."
+        )
     ignored = ignored_parameters(model, plugin)
     wrapped = [m for m in _wrap_candidates(model, plugin) if not _all_ignored(m, ignored)]
     if plugin.activation_checkpointing and not wrapped:
@@ -97,6 +102,12 @@ def check_model(model: torch.nn.Module, plugin) -> list:
             "transformer_based_wrap (with transformer_cls_names_to_wrap) or size_based_wrap."
         )
     return wrapped
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _short(value, limit: int = 80) -> str:
@@ -217,9 +228,10 @@ def _all_ignored(module, ignored: set) -> bool:
 
 
 # -- sharding -----------------------------------------------------------------------------------------
-def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=()) -> torch.nn.Module:
+def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=(), device=None) -> torch.nn.Module:
     """fully_shard each of `wrapped`, then the root. `param_map` records each replaced parameter
-    (id -> (weak reference, sharded parameter)); `optimizers` already prepared are re-pointed."""
+    (id -> (weak reference, sharded parameter)); `optimizers` already prepared are re-pointed.
+    With cpu_ram_efficient_loading the shards are built empty on `device` and filled from rank 0."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if plugin.activation_checkpointing:
@@ -239,9 +251,12 @@ def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=()) ->
     ignored = ignored_parameters(model, plugin)
     if ignored:
         kwargs["ignored_params"] = ignored
+    from_rank0 = _take_rank0_weights(model) if plugin.cpu_ram_efficient_loading else None
     for module in wrapped:
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    if from_rank0 is not None:
+        _load_rank0_weights(model, device, *from_rank0)
     for module, name, old in slots:
         new = module._parameters.get(name)
         if new is not None and new is not old:
@@ -249,6 +264,60 @@ def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=()) ->
     for optimizer in optimizers:
         repoint_optimizer(getattr(optimizer, "optimizer", optimizer), param_map)
     return model
+
+
+# -- cpu_ram_efficient_loading: only rank 0 holds the real weights -----------------------------------
+def meta_parameters(model) -> list:
+    return [name for name, p in model.named_parameters() if p.is_meta]
+
+
+def check_rank0_weights(model) -> None:
+    """Raise on every rank (before any collective that would hang) when rank 0's model is on meta."""
+    import torch.distributed as dist
+
+    found = [meta_parameters(model)[:3] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # a few names, so every rank raises the same error
+    if found[0]:
+        shown = ", ".join(found[0])
+        raise ValueError(
+            "cpu_ram_efficient_loading=True fills every rank's shards from rank 0's weights, but rank 0's model "
+            f"has parameters on the meta device ({shown}); build the real model on rank 0 (the main process) "
+            "and use init_empty_weights() only on the other ranks."
+        )
+
+
+def _take_rank0_weights(model) -> tuple:
+    """Rank 0's full state dict (empty elsewhere) and every rank's buffers, then the model moved to
+    meta so that fully_shard builds empty shards."""
+    import torch.distributed as dist
+
+    check_rank0_weights(model)
+    full = dict(model.state_dict()) if dist.get_rank() == 0 else {}
+    buffers = dict(model.named_buffers())
+    model.to("meta")
+    return full, buffers
+
+
+def _load_rank0_weights(model, device, full: dict, buffers: dict) -> None:
+    """Materialise the empty shards on `device`, scatter rank 0's tensors into them, then give every
+    rank rank 0's buffers (non-persistent ones are in no state dict; other ranks may hold them on meta)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device or torch.device("cpu"))
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    full.clear()
+    owners = {name: module for name, module in model.named_modules()}
+    for name, buffer in model.named_buffers():
+        module_name, _, leaf = name.rpartition(".")
+        kept = buffers.get(name)
+        if kept is not None and not kept.is_meta:
+            buffer = kept.to(buffer.device)
+            owners[module_name]._buffers[leaf] = buffer
+        dist.broadcast(buffer, src=0)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
 
 
 def repoint_optimizer(optimizer, param_map: dict) -> None:

@@ -23,6 +23,8 @@ class MLP(torch.nn.Module):
 
     def forward(self, x):
         x = self.inp(x)
+        if hasattr(self, "scale"):  # a non-persistent buffer (rank-0 loading must bring it)
+            x = x * self.scale
         for block in self.blocks:
             x = block(x)
         return self.out(x)
@@ -59,16 +61,38 @@ def _get_registry(module):
     return _get_registry(module) or {}
 
 
-def train(use_fsdp=True, optimizer="before", accumulation=1, clip=None, epochs=2, overrides=None):
+def _rank0_model(seed, scale):
+    """The MLP as cpu_ram_efficient_loading expects it: real on rank 0, on meta (buffers too) elsewhere."""
+    from notebook_accel import PartialState, init_empty_weights
+
+    if PartialState().is_main_process:
+        model = make_mlp(seed)
+    else:
+        with init_empty_weights(include_buffers=True):
+            model = make_mlp(seed + 1)  # other values: only rank 0's may reach the shards
+    model.register_buffer("scale", torch.tensor(scale), persistent=False)
+    return model
+
+
+def train(use_fsdp=True, optimizer="before", accumulation=1, clip=None, epochs=2, overrides=None, scale=None):
     """Train the MLP (AdamW, batch 4 per rank) and report what the tests compare across runs.
 
     optimizer: "before" (built on the unsharded model, prepared with it), "separately" (prepared
-    in an earlier prepare call than the model) or "after" (built on the prepared model)."""
+    in an earlier prepare call than the model) or "after" (built on the prepared model).
+    scale: a non-persistent buffer multiplying the input layer's output; with cpu_ram_efficient_loading
+    the model is real only on rank 0."""
     from notebook_accel import Accelerator
+    from notebook_accel.utils import model_has_dtensor
 
     fsdp_plugin = _plugin(**(overrides or {})) if use_fsdp else None
     accelerator = Accelerator(gradient_accumulation_steps=accumulation, fsdp_plugin=fsdp_plugin)
-    model = make_mlp()
+    if fsdp_plugin is not None and fsdp_plugin.cpu_ram_efficient_loading:
+        model = _rank0_model(3, scale)
+    else:
+        model = make_mlp()
+        if scale is not None:
+            model.register_buffer("scale", torch.tensor(scale), persistent=False)
+    on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)
     loader = torch.utils.data.DataLoader(make_data(), batch_size=4)
     if optimizer == "before":
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -109,7 +133,24 @@ def train(use_fsdp=True, optimizer="before", accumulation=1, clip=None, epochs=2
         "is_fsdp2": accelerator.is_fsdp2,
         "sharded": sorted(name for name, m in model.named_modules() if type(m).__name__.startswith("FSDP")),
         "checkpointed": sorted(name for name, m in model.named_modules() if "checkpoint" in _get_registry(m)),
+        "on_meta_before": on_meta,
+        "has_dtensor": model_has_dtensor(accelerator.unwrap_model(model)),
+        "buffers": {name: b.tolist() for name, b in model.named_buffers()},
     }
+
+
+def rank0_on_meta():
+    """cpu_ram_efficient_loading with rank 0's model built on meta: the error each rank raises."""
+    from notebook_accel import Accelerator, init_empty_weights
+
+    accelerator = Accelerator(fsdp_plugin=_plugin(cpu_ram_efficient_loading=True))
+    with init_empty_weights():
+        model = make_mlp()
+    try:
+        accelerator.prepare(model)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def bad_inputs():

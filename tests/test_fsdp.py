@@ -1,9 +1,11 @@
 """FSDP2 through Accelerator.prepare (issue #17, first slice): a small MLP trained with FSDP on 2 real
 gloo ranks (notebook_launcher) against DDP on the same seed and data, and the inputs FSDP refuses."""
 
+import os
+
 import pytest
 import torch
-from fsdp_targets import bad_inputs, is_block, mixed_precision_step, train
+from fsdp_targets import bad_inputs, is_block, mixed_precision_step, rank0_on_meta, train
 
 from notebook_accel import Accelerator, AcceleratorState, notebook_launcher
 from notebook_accel.launch.sinks import ListSink
@@ -36,7 +38,8 @@ def assert_matches_ddp(fsdp, ddp):
     for rank in fsdp:
         assert rank["param_types"] == ["DTensor"]  # the parameters really are shards
         assert rank["optimizer_has_model_params"]  # the optimizer steps the sharded parameters
-        assert rank["unwrapped_is_model"] and rank["is_fsdp2"]
+        assert rank["unwrapped_is_model"] and rank["is_fsdp2"] and rank["has_dtensor"]
+    assert not any(rank["has_dtensor"] for rank in ddp)
     # Each rank holds a shard of the parameters: DDP holds all 193 on each.
     assert [r["local_numel"] for r in ddp] == [193] * len(ddp)
     assert sum(r["local_numel"] for r in fsdp) == 193 and max(r["local_numel"] for r in fsdp) < 193
@@ -168,7 +171,6 @@ def test_accelerate_names_are_the_same_class():
         ({"reshard_after_forward": 3}, ValueError, r"reshard_after_forward=3"),
         ({"state_dict_type": "LOCAL_STATE_DICT"}, ValueError, r"FULL_STATE_DICT or SHARDED_STATE_DICT"),
         ({"mixed_precision_policy": {"buffer_dtype": "bf16"}}, ValueError, r"\['buffer_dtype'\]"),
-        ({"cpu_ram_efficient_loading": True}, NotImplementedError, r"cpu_ram_efficient_loading=True"),
     ],
 )
 def test_plugin_bad_values_are_named(kwargs, error, match):
@@ -276,3 +278,52 @@ def test_fsdp1_settings_warn_and_sharding_strategy_maps_to_resharding():
     assert FullyShardedDataParallelPlugin(sharding_strategy="FULL_SHARD").reshard_after_forward is True
     with pytest.raises(ValueError, match=r"sharding_strategy='HYBRID_SHARD' has no FSDP2 equivalent"):
         FullyShardedDataParallelPlugin(sharding_strategy="HYBRID_SHARD")
+
+
+@pytest.mark.timeout(3 * TIMEOUT + 30)
+@pytest.mark.parametrize("world", [2, 4])
+def test_cpu_ram_efficient_loading_fills_meta_ranks_from_rank0_and_trains_like_ddp(world):
+    """Only rank 0 builds real weights (the others on meta, buffers included, with an optimizer built
+    on the meta parameters); the shards and a non-persistent buffer come from rank 0, so training
+    matches DDP on a model every rank built for real."""
+    fsdp = on_ranks(train, True, "before", 1, None, 2, {"cpu_ram_efficient_loading": True}, 0.5, world=world)
+    ddp = on_ranks(train, False, "before", 1, None, 2, None, 0.5, world=world)
+    assert fsdp[0]["on_meta_before"] == 0
+    assert all(r["on_meta_before"] == 193 for r in fsdp[1:])  # the other ranks never held real weights
+    assert all(r["buffers"] == {"scale": 0.5} for r in fsdp)
+    fsdp = [{k: v for k, v in r.items() if k not in ("on_meta_before", "buffers")} for r in fsdp]
+    assert_matches_ddp(fsdp, ddp)
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_cpu_ram_efficient_loading_with_rank0_on_meta_fails_on_every_rank_before_any_shard():
+    messages = on_ranks(rank0_on_meta)
+    assert messages[0] == messages[1]
+    assert "rank 0's model has parameters on the meta device (inp.weight, inp.bias, blocks.0.linear.weight)" in messages[0]
+    assert "init_empty_weights() only on the other ranks" in messages[0]
+
+
+def test_cpu_ram_efficient_loading_on_one_process_needs_real_weights(monkeypatch):
+    from fsdp_targets import make_mlp
+
+    from notebook_accel import init_empty_weights
+
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # restored after: the plugin sets it
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(cpu_ram_efficient_loading=True))
+    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true"  # for transformers' from_pretrained
+    with init_empty_weights():
+        model = make_mlp()
+    with pytest.raises(ValueError, match=r"one process's model has parameters on the meta device \(inp.weight"):
+        accelerator.prepare(model)
+    trained = accelerator.prepare(make_mlp())  # real weights: one process trains unsharded
+    assert not any(p.is_meta for p in trained.parameters())
+
+
+def test_ram_efficient_loading_switches_set_the_variable_the_plugin_and_transformers_read(monkeypatch):
+    from notebook_accel.utils import disable_fsdp_ram_efficient_loading, enable_fsdp_ram_efficient_loading
+
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+    enable_fsdp_ram_efficient_loading()
+    assert FullyShardedDataParallelPlugin().cpu_ram_efficient_loading is True
+    disable_fsdp_ram_efficient_loading()
+    assert FullyShardedDataParallelPlugin().cpu_ram_efficient_loading is False

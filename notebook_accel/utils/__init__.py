@@ -53,6 +53,10 @@ _EXPORTS = {
     "find_checkpoint": "checkpoint_files",
     "merge_fsdp_weights": "dcp_plain",
     **{
+        name: "fsdp_plugin"
+        for name in ("enable_fsdp_ram_efficient_loading", "disable_fsdp_ram_efficient_loading", "model_has_dtensor")
+    },
+    **{
         name: "fsdp_files"
         for name in ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
     },

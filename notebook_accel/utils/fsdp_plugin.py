@@ -96,12 +96,10 @@ class FullyShardedDataParallelPlugin:
             )
         if self.cpu_ram_efficient_loading is None:
             self.cpu_ram_efficient_loading = _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+        self.cpu_ram_efficient_loading = bool(self.cpu_ram_efficient_loading)
         if self.cpu_ram_efficient_loading:
-            raise NotImplementedError(
-                "cpu_ram_efficient_loading=True is not implemented by notebook_accel yet (a later slice of FSDP "
-                "support); set cpu_ram_efficient_loading=False (or FSDP_CPU_RAM_EFFICIENT_LOADING=false): every "
-                "process then loads the full model before it is sharded."
-            )
+            # transformers' from_pretrained reads this to build the model on meta on ranks other than 0.
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
         if self.ignored_modules is None:
             self.ignored_modules = env.get("FSDP_IGNORED_MODULES") or None
         if self.mixed_precision_policy is not None:
@@ -214,3 +212,20 @@ def _policy(value):
         return MixedPrecisionPolicy(**{k: v if k == "cast_forward_inputs" else _dtype(v) for k, v in value.items()})
     dtype = _dtype(value)
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
+
+
+def enable_fsdp_ram_efficient_loading() -> None:
+    """Ask transformers' from_pretrained to build the model on meta on ranks other than 0 (as
+    `cpu_ram_efficient_loading=True` does); prepare then fills their shards from rank 0."""
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
+
+
+def disable_fsdp_ram_efficient_loading() -> None:
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+
+
+def model_has_dtensor(model) -> bool:
+    """Whether any parameter of `model` is a DTensor (the model was sharded by fully_shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())

@@ -69,11 +69,9 @@ GROUPS = {
         ],
     ),
     "fsdp": (
-        "FSDP2 helpers beyond prepare and save_state / load_state (the standalone checkpoint helpers, RAM-efficient loading, FSDP1): later slices of issue #17",
+        "FSDP2 helpers beyond prepare and save_state / load_state (accelerate's internal FSDP2 steps, tied-weight and compile helpers, N-D meshes): later slices of issue #17",
         [
             "utils.dataclasses.get_module_class_from_name",
-            "utils.disable_fsdp_ram_efficient_loading",
-            "utils.enable_fsdp_ram_efficient_loading",
             "utils.ensure_weights_retied",
             "utils.fsdp2_apply_ac",
             "utils.fsdp2_canonicalize_names",
@@ -82,7 +80,6 @@ GROUPS = {
             "utils.fsdp2_switch_optimizer_parameters",
             "utils.get_fsdp2_grad_scaler",
             "utils.compile_regions_fsdp2",
-            "utils.model_has_dtensor",
             "accelerator.Accelerator.is_composable_parallelism_enabled",
         ],
     ),

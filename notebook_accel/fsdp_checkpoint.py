@@ -366,5 +366,26 @@ class _FullOptimizer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(
-            self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True)
+            self.model, self.optimizer, self._by_name(state), options=StateDictOptions(full_state_dict=True)
         )
+
+    def _by_name(self, state: dict) -> dict:
+        """A plain optimizer.state_dict() (a DDP or one-process run's checkpoint: parameters numbered in
+        param_groups order) keyed by parameter name, as a FULL_STATE_DICT save writes it."""
+        groups = state.get("param_groups", [])
+        numbered = [p for g in groups for p in g.get("params", [])]
+        if not numbered or not all(isinstance(p, int) for p in numbered):
+            return state
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        ours = [names.get(id(p)) for g in self.optimizer.param_groups for p in g["params"]]
+        if len(ours) != len(numbered) or None in ours:
+            raise CheckpointError(
+                f"The checkpoint's optimizer state has {len(numbered)} parameters in {len(groups)} group(s), and "
+                f"this run's {type(self.optimizer).__name__} has {len(ours)} (of its model's: "
+                f"{len([n for n in ours if n])}); build the optimizer as the saving run did."
+            )
+        name_of = dict(zip(numbered, ours))
+        return {
+            "state": {name_of[i]: value for i, value in state.get("state", {}).items()},
+            "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in groups],
+        }

@@ -268,3 +268,23 @@ def fsdp_helpers(folder, state_dict_type):
     import os
 
     return {"before": before, "after": after, "files": sorted(os.listdir(folder))}
+
+
+def ddp_train_save(folder, steps=3):
+    """A DDP run (no plugin) trains and saves: what an FSDP run that loads its checkpoint must hold."""
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator()
+    model = make_mlp(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    _steps(accelerator, model, opt, sched, counter, 0, steps)
+    accelerator.save_state(folder)
+    plain = accelerator.unwrap_model(model)
+    names = {id(p): n for n, p in plain.named_parameters()}
+    inner = opt.optimizer
+    optim = {names[id(p)]: {k: v.clone() for k, v in inner.state[p].items()} for g in inner.param_groups for p in g["params"]}
+    return {"saved": {k: v.clone() for k, v in plain.state_dict().items()}, "optim": optim}

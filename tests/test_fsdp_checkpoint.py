@@ -238,3 +238,19 @@ def test_one_process_fsdp_run_saves_and_loads_the_same_layout(tmp_path, kind):
     loaded = _snapshot(*fresh)
     for part in ("params", "optim", "lr", "counter"):
         assert_identical(loaded[part], saved[part])
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 30)
+def test_a_ddp_checkpoint_resumes_in_an_fsdp_run(tmp_path):
+    """A DDP run's checkpoint (model.safetensors, optimizer.bin with numbered parameters) loads into an
+    FSDP run: the weights and AdamW's state are the saved ones, exactly, each rank holding its shard."""
+    from fsdp_checkpoint_targets import ddp_train_save, load_only
+
+    folder = str(tmp_path / "ddp")
+    ddp = on_ranks(ddp_train_save, folder)[0]
+    loaded = on_ranks(load_only, folder)
+    assert_identical(loaded[0]["loaded"], ddp["saved"])
+    assert set(loaded[0]["optim"]) == set(ddp["optim"]) == set(ddp["saved"])
+    for name, state in ddp["optim"].items():
+        assert_identical(loaded[0]["optim"][name], state)
+    assert [r["inp_rows"] for r in loaded] == [4, 4] and loaded[0]["counter"] == 3

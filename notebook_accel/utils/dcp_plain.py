@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 
 import torch
 
@@ -145,7 +146,9 @@ def merge_fsdp_weights(
             for k, m in entries
             if isinstance(m, TensorStorageMetadata)
         }
-        dcp.load(merged, storage_reader=reader, planner=PlainLoadPlanner(), no_dist=True)
+        with warnings.catch_warnings():  # torch warns that no_dist=True loads in one process: we asked for that
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(merged, storage_reader=reader, planner=PlainLoadPlanner(), no_dist=True)
         # A folder save_state (or accelerate) wrote holds one top-level entry, "model": unwrap it.
         tops = {k.split(".", 1)[0] for k in merged}
         if len(tops) == 1 and all("." in k for k in merged):

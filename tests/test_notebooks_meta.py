@@ -16,7 +16,7 @@ import notebook_header  # noqa: E402
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED = {
     "quickstart", "cell_magic", "hardware_and_logs", "mixed_precision_and_accumulation", "checkpoint_and_resume",
-    "big_model_offload", "multi_node_on_one_machine",
+    "big_model_offload", "multi_node_on_one_machine", "fsdp",
 }  # fmt: skip
 
 

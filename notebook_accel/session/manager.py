@@ -38,11 +38,13 @@ class Session:
         mixed_precision: Optional[str] = None,
         cpu: Optional[bool] = None,
         on_output: Optional[Callable] = None,
+        fsdp=None,
     ):
         self.num_processes = num_processes
         self.start_method = start_method
         self.mixed_precision = mixed_precision
         self.cpu = cpu
+        self.fsdp = fsdp  # as make_plan takes it: None (the config's choice), True, False or settings
         self.on_output = on_output or print_output  # (rank, stream, text, transient), from a thread
         self.tick: Optional[Callable] = None  # called often in the waiting thread while calls wait
         self._pool: Optional[WorkerPool] = None
@@ -88,6 +90,7 @@ class Session:
             mixed_precision=self.mixed_precision or default("no"),
             start_method=self.start_method,
             cpu=self.cpu,
+            fsdp=self.fsdp,
             **ONE_MACHINE,
         )
         if plan.engine != "local":

@@ -237,6 +237,38 @@ def test_launch_config_with_distributed_type_fsdp_reaches_the_ranks(tmp_path, mo
         }  # fmt: skip
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 30)
+def test_notebook_launcher_fsdp_settings_and_fsdp_false_over_the_config(tmp_path, monkeypatch):
+    from fsdp_targets import from_launch_config
+
+    from notebook_accel import config
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    path = tmp_path / "default_config.yaml"
+    path.write_text("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\n")
+    monkeypatch.setenv(config.CONFIG_ENV, str(path))
+    settings = {"fsdp_auto_wrap_policy": "transformer_based_wrap", "fsdp_transformer_layer_cls_to_wrap": ["Block"],
+                "fsdp_state_dict_type": "FULL_STATE_DICT"}  # fmt: skip
+    results = notebook_launcher(
+        from_launch_config, use_port="auto", sinks=[ListSink()], timeout=TIMEOUT, fsdp=settings
+    )
+    assert [r["distributed_type"] for r in results] == ["FSDP", "FSDP"]
+    assert results[0]["classes"] == ["Block"] and results[0]["state_dict_type"] == "FULL_STATE_DICT"
+    assert results[0]["sharded"] == ["", "blocks.0", "blocks.1"]
+    # fsdp=False wins over a config that says FSDP.
+    path.write_text("distributed_type: FSDP\nuse_cpu: true\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n")
+    off = notebook_launcher(plain_type, use_port="auto", sinks=[ListSink()], timeout=TIMEOUT, fsdp=False)
+    assert off == [("false", "MULTI_CPU"), ("false", "MULTI_CPU")]
+
+
+def plain_type():
+    import os
+
+    from notebook_accel import Accelerator
+
+    return os.environ.get("ACCELERATE_USE_FSDP"), str(Accelerator().distributed_type)
+
+
 @pytest.mark.timeout(TIMEOUT + 30)
 def test_fp16_overflow_in_one_ranks_shard_skips_the_step_on_every_rank():
     from fsdp_targets import fp16_overflow_on_one_rank

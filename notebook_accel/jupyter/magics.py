@@ -218,9 +218,8 @@ class AccelerateMagics(Magics):
             )
         except (RuntimeError, LaunchConfigError) as exc:
             raise UsageError(f"%accelerate start: {exc}") from None
-        print(
-            f"session started: {ks.world} workers ({args.start_method}); %%accelerate cells now run on them"
-        )
+        how = f"{args.start_method}, FSDP on" if args.fsdp else args.start_method
+        print(f"session started: {ks.world} workers ({how}); %%accelerate cells now run on them")
 
     def _cmd_stop(self, rest: list):
         from . import kernel_session as session

@@ -146,7 +146,7 @@ class KernelSession:
         sink = Fanout(frontend.default_sinks(show_after=PANEL_AFTER_S))
         stop = _Stop(self.session, targets)
         sink.attach(stop)
-        cell = self.cell = CellEvents(sink, targets, world, pids)
+        cell = self.cell = CellEvents(sink, targets, world, pids, fsdp=self.session.fsdp_on)
         self._pump()  # output that arrived between cells belongs to no cell: show it here
         try:
             replies = self.session.run_cell(source, filename, ranks=targets, timeout=timeout)

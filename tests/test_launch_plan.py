@@ -342,6 +342,17 @@ def test_bad_fsdp_settings_fail_naming_them(no_config, fsdp, named):
     assert named in str(info.value)
 
 
+def test_config_nulls_and_no_layer_classes_leave_the_plugins_defaults(tmp_path):
+    from notebook_accel import config
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_min_num_params: null\n"
+                    "  fsdp_transformer_layer_cls_to_wrap: ''\n  fsdp_sync_module_states: true\n")  # fmt: skip
+    assert config.load_config(path).launch_env() == {
+        "ACCELERATE_USE_FSDP": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "", "FSDP_SYNC_MODULE_STATES": "true",
+    }  # fmt: skip
+
+
 def test_a_config_with_a_bad_fsdp_value_is_refused_when_read(tmp_path):
     from notebook_accel import config
 

@@ -65,6 +65,8 @@ def launch_variables(settings: dict, strict: bool = True) -> dict:
         raise ValueError(f"unknown key(s) {bad}; the keys are accelerate's fsdp_config names: {', '.join(known)}")
     env = {}
     for key, value in settings.items():
+        if value is None:  # YAML's null: not set, so the plugin's default holds
+            continue
         name = LAUNCH_VARIABLES.get(key) or "FSDP_" + key[len("fsdp_") :].upper()
         if key in LAUNCH_VARIABLES:
             value = _checked(key, value)
@@ -104,10 +106,10 @@ def _checked(key: str, value):
         if not isinstance(value, bool) and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
             fail("use true or false")
     elif key == "fsdp_transformer_layer_cls_to_wrap":
-        names = value if isinstance(value, (list, tuple)) else text.split(",")
+        names = value if isinstance(value, (list, tuple)) else [n for n in text.split(",") if n.strip()]
         if not all(isinstance(n, str) and n.strip().isidentifier() for n in names):
             fail("use class names, as a list or comma-separated (e.g. 'Block,Attention')")
-        return [n.strip() for n in names]
+        return [n.strip() for n in names]  # none: the model's _no_split_modules
     return value
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 from .utils import families
 from .utils.dataclasses import DistributedType
+from .utils.fsdp_plugin import USE_FSDP_ENV, launch_variables
 
 CONFIG_ENV = "NOTEBOOK_ACCEL_CONFIG_FILE"
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -189,6 +190,10 @@ class ClusterConfig:
         strangers = sorted(k for k in fsdp if not str(k).startswith("fsdp_"))
         if strangers:
             fail("fsdp_config", f"has keys {strangers}; its keys are accelerate's fsdp_* names (e.g. fsdp_version)")
+        try:
+            launch_variables(fsdp, strict=False)  # values checked here, not later in every rank
+        except ValueError as exc:
+            fail("fsdp_config", str(exc))
         ids = self.device_ids
         if ids is not None and n is not None and not self.cpu and n // self.num_machines > len(ids):
             fail(
@@ -249,14 +254,8 @@ class ClusterConfig:
         """The variables accelerate's launcher sets for this file: FSDP's switch and settings."""
         if self.distributed_type != "FSDP":
             return {}
-        env = {"ACCELERATE_USE_FSDP": "true"}
-        for key, value in (self.extra.get("fsdp_config") or {}).items():
-            name = key[len("fsdp_") :].upper()
-            name = {"TRANSFORMER_LAYER_CLS_TO_WRAP": "TRANSFORMER_CLS_TO_WRAP"}.get(name, name)
-            if isinstance(value, (list, tuple)):
-                value = ",".join(map(str, value))
-            env["FSDP_" + name] = str(value).lower() if isinstance(value, bool) else str(value)
-        return env
+        settings = launch_variables(self.extra.get("fsdp_config") or {}, strict=False)  # checked by validate
+        return {USE_FSDP_ENV: "true", **settings}
 
     # -- writing ---------------------------------------------------------------------------
     def to_dict(self) -> dict:

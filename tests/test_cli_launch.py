@@ -140,3 +140,72 @@ def test_self_check_says_success(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("success")
     assert "rank 0 of 2: ok" in done.stdout and "rank 1 of 2: ok" in done.stdout
+
+
+# Each rank prints its distributed type and the FSDP plugin its Accelerator built from the variables.
+FSDP_SCRIPT = textwrap.dedent(
+    """\
+    import torch
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator()
+    plugin = accelerator.state.fsdp_plugin
+    model = accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)))
+    sharded = sorted(n or "root" for n, m in model.named_modules() if type(m).__name__.startswith("FSDP"))
+    print(f"FSDP rank={accelerator.process_index} type={accelerator.distributed_type} "
+          f"policy={plugin and plugin.auto_wrap_policy} min={plugin and plugin.min_num_params} "
+          f"reshard={plugin and plugin.reshard_after_forward} "
+          f"sdt={plugin and plugin.state_dict_type.name} sharded={','.join(sharded)}")
+    """
+)
+
+
+def _fsdp_reports(text: str) -> dict:
+    found = re.findall(r"^\[rank (\d+)\] FSDP (.*)$", text, re.M)
+    return {int(rank): dict(part.split("=", 1) for part in rest.split(" ")) for rank, rest in found}
+
+
+@pytest.mark.timeout(120)
+def test_use_fsdp_and_fsdp_flags_reach_every_ranks_plugin(workdir, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    (workdir / "fsdp_ranks.py").write_text(FSDP_SCRIPT)
+    done = _launch(
+        workdir, "--cpu", "--num_processes", "2", "--use_fsdp", "--fsdp_version", "2",
+        "--fsdp_auto_wrap_policy", "size_based_wrap", "--fsdp_min_num_params", "30",
+        "--fsdp_reshard_after_forward", "false", "--fsdp_state_dict_type", "FULL_STATE_DICT", "fsdp_ranks.py",
+        timeout=110,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    reports = _fsdp_reports(done.stdout)
+    assert sorted(reports) == [0, 1], done.stdout
+    for fields in reports.values():
+        assert fields == {
+            "rank": fields["rank"], "type": "FSDP", "policy": "size_based_wrap", "min": "30", "reshard": "False",
+            "sdt": "FULL_STATE_DICT", "sharded": "0,root",  # the 40-parameter layer has its own shard
+        }  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_from_the_config_and_use_fsdp_without_settings(workdir, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    (workdir / "fsdp_ranks.py").write_text(FSDP_SCRIPT)
+    config = "distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\n"
+    done = _launch(workdir, "--use_fsdp", "fsdp_ranks.py", config_text=config, timeout=110)
+    assert done.returncode == 0, done.stderr
+    reports = _fsdp_reports(done.stdout)
+    assert sorted(reports) == [0, 1]
+    assert {(f["type"], f["policy"], f["sharded"]) for f in reports.values()} == {("FSDP", "no_wrap", "root")}
+    # Without --use_fsdp that config is plain data parallel.
+    plain = _launch(workdir, "fsdp_ranks.py", config_text=config, timeout=110)
+    assert plain.returncode == 0, plain.stderr
+    assert {f["type"] for f in _fsdp_reports(plain.stdout).values()} == {"MULTI_CPU"}
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_fsdp_flag_is_named_before_any_rank_starts(workdir):
+    (workdir / "fsdp_ranks.py").write_text(FSDP_SCRIPT)
+    done = _launch(workdir, "--cpu", "--num_processes", "2", "--fsdp_auto_wrap_policy", "each_layer",
+                   "fsdp_ranks.py")  # fmt: skip
+    assert done.returncode == 2
+    assert "fsdp_auto_wrap_policy='each_layer'" in done.stderr and "size_based_wrap" in done.stderr
+    assert "FSDP rank" not in done.stdout

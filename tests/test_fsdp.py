@@ -155,6 +155,17 @@ def test_plugin_reads_accelerates_variables(monkeypatch):
     assert plugin.state_dict_type.name == "FULL_STATE_DICT"
 
 
+def test_an_fsdp1_configs_sharding_strategy_variable_maps_to_resharding(monkeypatch):
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")  # accelerate's fsdp_sharding_strategy
+    assert FullyShardedDataParallelPlugin().reshard_after_forward is False
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "true")  # the FSDP2 variable wins
+    assert FullyShardedDataParallelPlugin().reshard_after_forward is True
+    monkeypatch.delenv("FSDP_RESHARD_AFTER_FORWARD")
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "NO_SHARD")
+    with pytest.raises(ValueError, match=r"sharding_strategy='NO_SHARD' has no FSDP2 equivalent"):
+        FullyShardedDataParallelPlugin()
+
+
 def test_accelerate_names_are_the_same_class():
     import notebook_accel
     from notebook_accel.utils import dataclasses
@@ -237,6 +248,38 @@ def test_launch_config_with_distributed_type_fsdp_reaches_the_ranks(tmp_path, mo
             "reshard_after_forward": False, "state_dict_type": "FULL_STATE_DICT",
             "sharded": ["", "blocks.0", "blocks.1"],
         }  # fmt: skip
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 30)
+def test_notebook_launcher_fsdp_settings_and_fsdp_false_over_the_config(tmp_path, monkeypatch):
+    from fsdp_targets import from_launch_config
+
+    from notebook_accel import config
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    path = tmp_path / "default_config.yaml"
+    path.write_text("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\n")
+    monkeypatch.setenv(config.CONFIG_ENV, str(path))
+    settings = {"fsdp_auto_wrap_policy": "transformer_based_wrap", "fsdp_transformer_layer_cls_to_wrap": ["Block"],
+                "fsdp_state_dict_type": "FULL_STATE_DICT"}  # fmt: skip
+    results = notebook_launcher(
+        from_launch_config, use_port="auto", sinks=[ListSink()], timeout=TIMEOUT, fsdp=settings
+    )
+    assert [r["distributed_type"] for r in results] == ["FSDP", "FSDP"]
+    assert results[0]["classes"] == ["Block"] and results[0]["state_dict_type"] == "FULL_STATE_DICT"
+    assert results[0]["sharded"] == ["", "blocks.0", "blocks.1"]
+    # fsdp=False wins over a config that says FSDP.
+    path.write_text("distributed_type: FSDP\nuse_cpu: true\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n")
+    off = notebook_launcher(plain_type, use_port="auto", sinks=[ListSink()], timeout=TIMEOUT, fsdp=False)
+    assert off == [("false", "MULTI_CPU"), ("false", "MULTI_CPU")]
+
+
+def plain_type():
+    import os
+
+    from notebook_accel import Accelerator
+
+    return os.environ.get("ACCELERATE_USE_FSDP"), str(Accelerator().distributed_type)
 
 
 @pytest.mark.timeout(TIMEOUT + 30)

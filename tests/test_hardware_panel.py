@@ -150,3 +150,39 @@ def test_plan_notes_are_shown_below_the_preview(monkeypatch):
     monkeypatch.setattr(plan, "make_plan", with_note)
     page = parts(hardware_widget())[0].value
     assert page.endswith('</table><div class="nacc-muted">a note &lt;for you&gt;</div>')
+
+
+def _config(monkeypatch, tmp_path, text: str):
+    from notebook_accel import config
+
+    path = tmp_path / "default_config.yaml"
+    path.write_text(text)
+    monkeypatch.setenv(config.CONFIG_ENV, str(path))
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+
+
+def test_a_config_with_fsdp_shows_fsdp_and_its_settings(monkeypatch, tmp_path):
+    _config(monkeypatch, tmp_path, "distributed_type: FSDP\nuse_cpu: true\nnum_processes: 2\nfsdp_config:\n"
+            "  fsdp_version: 2\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 500\n")  # fmt: skip
+    page = parts(hardware_widget())[0].value
+    assert "<th>Distributed type</th><td>FSDP</td>" in page
+    assert (
+        "<th>FSDP</th><td>on (auto_wrap_policy=size_based_wrap, min_num_params=500, version=2)</td>" in page
+    )
+    assert "shards nothing" not in page
+
+
+def test_fsdp_on_one_process_says_it_shards_nothing(monkeypatch, tmp_path):
+    _config(monkeypatch, tmp_path, "distributed_type: FSDP\nuse_cpu: true\nnum_processes: 1\n")
+    page = parts(hardware_widget())[0].value
+    assert "<th>Distributed type</th><td>NO</td>" in page
+    assert "on one process FSDP shards nothing: launch 2 or more to shard" in page
+
+
+def test_no_fsdp_row_without_fsdp(monkeypatch, tmp_path):
+    _config(monkeypatch, tmp_path, "distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\n")
+    page = parts(hardware_widget())[0].value
+    assert "<th>Distributed type</th><td>MULTI_CPU</td>" in page and "<th>FSDP</th>" not in page
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # the ranks inherit this process's switch
+    page = parts(hardware_widget())[0].value
+    assert "<th>Distributed type</th><td>FSDP</td>" in page and "<th>FSDP</th><td>on (the plugin&#x27;s defaults: FSDP2" in page

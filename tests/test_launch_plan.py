@@ -256,3 +256,108 @@ def test_a_malformed_rendezvous_endpoint_is_named_before_anything_starts(endpoin
 def test_a_rendezvous_endpoint_is_host_and_optional_port(endpoint):
     plan = make_plan(num_processes=1, num_nodes=2, rdzv_backend="c10d", rdzv_endpoint=endpoint, use_port="auto")
     assert plan.rdzv_endpoint == endpoint
+
+
+# -- FSDP --------------------------------------------------------------------------------------
+FSDP_CONFIG = (
+    "distributed_type: FSDP\nuse_cpu: true\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n"
+    "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: [Block, Head]\n"
+)
+
+
+@pytest.fixture
+def no_config(monkeypatch, tmp_path):
+    monkeypatch.setenv("NOTEBOOK_ACCEL_CONFIG_FILE", str(tmp_path / "none.yaml"))
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+
+
+@pytest.fixture
+def fsdp_config(monkeypatch, tmp_path):
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(FSDP_CONFIG)
+    monkeypatch.setenv("NOTEBOOK_ACCEL_CONFIG_FILE", str(path))
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    return path
+
+
+def test_fsdp_is_off_unless_asked(no_config):
+    p = plan()
+    assert p.fsdp is False and p.fsdp_settings == {}
+    assert "ACCELERATE_USE_FSDP" not in p.env
+
+
+def test_fsdp_true_turns_it_on_in_every_rank(no_config):
+    p = plan(fsdp=True)
+    assert p.fsdp is True
+    assert p.rank_env(0)["ACCELERATE_USE_FSDP"] == p.rank_env(1)["ACCELERATE_USE_FSDP"] == "true"
+    assert p.fsdp_settings == {}  # the plugin's defaults
+
+
+def test_fsdp_none_follows_the_config_and_true_keeps_its_settings(fsdp_config):
+    for p in (plan(), plan(fsdp=True)):
+        assert p.fsdp is True
+        assert p.fsdp_settings == {
+            "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "transformer_based_wrap",
+            "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block,Head",
+        }  # fmt: skip
+
+
+def test_fsdp_false_turns_off_what_the_config_says(fsdp_config, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # inherited by the ranks unless the plan says false
+    p = plan(fsdp=False)
+    assert p.fsdp is False
+    assert p.env["ACCELERATE_USE_FSDP"] == "false"
+    assert not [k for k in p.env if k.startswith("FSDP_")]
+
+
+def test_fsdp_settings_dict_overrides_the_config(fsdp_config):
+    p = plan(fsdp={"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 100,
+                   "fsdp_reshard_after_forward": False, "fsdp_state_dict_type": "full_state_dict"})  # fmt: skip
+    assert p.fsdp is True
+    assert p.env["FSDP_AUTO_WRAP_POLICY"] == "size_based_wrap"
+    assert p.env["FSDP_MIN_NUM_PARAMS"] == "100"
+    assert p.env["FSDP_RESHARD_AFTER_FORWARD"] == "false"
+    assert p.env["FSDP_STATE_DICT_TYPE"] == "FULL_STATE_DICT"
+    assert p.env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "Block,Head"  # from the config, not overridden
+
+
+@pytest.mark.parametrize(
+    "fsdp, named",
+    [
+        ({"fsdp_wrap_policy": "no_wrap"}, "['fsdp_wrap_policy']"),
+        ({"auto_wrap_policy": "no_wrap"}, "['auto_wrap_policy']"),
+        ({"fsdp_version": 1}, "fsdp_version=1"),
+        ({"fsdp_auto_wrap_policy": "every_layer"}, "fsdp_auto_wrap_policy='every_layer'"),
+        ({"fsdp_min_num_params": -3}, "fsdp_min_num_params=-3"),
+        ({"fsdp_state_dict_type": "LOCAL_STATE_DICT"}, "fsdp_state_dict_type='LOCAL_STATE_DICT'"),
+        ({"fsdp_activation_checkpointing": "sometimes"}, "fsdp_activation_checkpointing='sometimes'"),
+        ({"fsdp_transformer_layer_cls_to_wrap": "my block"}, "fsdp_transformer_layer_cls_to_wrap='my block'"),
+        ("yes", "fsdp='yes'"),
+        (1, "fsdp=1"),
+    ],
+)
+def test_bad_fsdp_settings_fail_naming_them(no_config, fsdp, named):
+    with pytest.raises(LaunchConfigError) as info:
+        plan(fsdp=fsdp)
+    assert named in str(info.value)
+
+
+def test_config_nulls_and_no_layer_classes_leave_the_plugins_defaults(tmp_path):
+    from notebook_accel import config
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_min_num_params: null\n"
+                    "  fsdp_transformer_layer_cls_to_wrap: ''\n  fsdp_sync_module_states: true\n")  # fmt: skip
+    assert config.load_config(path).launch_env() == {
+        "ACCELERATE_USE_FSDP": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "", "FSDP_SYNC_MODULE_STATES": "true",
+    }  # fmt: skip
+
+
+def test_a_config_with_a_bad_fsdp_value_is_refused_when_read(tmp_path):
+    from notebook_accel import config
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_state_dict_type: LOCAL\n")
+    with pytest.raises(config.ConfigError) as info:
+        config.load_config(path)
+    assert "fsdp_state_dict_type='LOCAL'" in str(info.value) and str(path) in str(info.value)

@@ -87,6 +87,8 @@ FORK_DEFAULTS = {"num_processes": None, "start_method": "fork", "timeout": None}
         ("--mixed-precision fp16", {"mixed_precision": "fp16"}, False),
         ("--mixed-precision no", {"mixed_precision": "no"}, False),
         ("--cpu", {"cpu": True}, False),
+        ("--fsdp", {"fsdp": True}, False),
+        ("-n 2 --fsdp --start-method spawn", {"num_processes": 2, "fsdp": True, "start_method": "spawn"}, True),
         ("--port auto", {"use_port": "auto"}, False),
         ("--port 29512", {"use_port": "29512"}, False),
         ("--timeout 2.5", {"timeout": 2.5}, False),
@@ -181,6 +183,11 @@ CELLS = {
     "spawn": "%%accelerate -n 2 --start-method spawn --port auto --out result\n"
     'result = Scale(3).apply(int(os.environ["RANK"]) + 1)',
     "use_spawn": 'print("RESULT", result)',
+    "fsdp": "%%accelerate -n 2 --port auto --fsdp\nimport torch\nfrom notebook_accel import Accelerator\n"
+    "acc = Accelerator()\nm = acc.prepare(torch.nn.Linear(4, 4))\n"
+    "print('FSDP', acc.process_index, acc.distributed_type, type(m).__name__, tuple(m.weight.to_local().shape))",
+    "no_fsdp": "%%accelerate -n 2 --port auto\nfrom notebook_accel import Accelerator\n"
+    "print('PLAIN', Accelerator().distributed_type)",
     "define": "def twice(x):\n    return 2 * x",
     # --max-restarts runs the elastic engine: the names the cell reads travel pickled, although the
     # start method is fork (`threading`, imported in "setup" but not read here, stays behind).
@@ -234,6 +241,16 @@ def _text(cell, stream=None) -> str:
 def _error(cell):
     errors = [o for o in cell.outputs if o.output_type == "error"]
     return errors[0] if errors else None
+
+
+@pytest.mark.timeout(400)
+def test_fsdp_option_shards_that_cells_models_only(cells):
+    assert _error(cells["fsdp"]) is None, cells["fsdp"].outputs
+    text = _text(cells["fsdp"])
+    # torch's FSDP2 class for a fully_shard-ed Linear; each rank holds half of the 4 x 4 weight.
+    assert "[rank 0] FSDP 0 FSDP FSDPLinear (2, 4)" in text and "[rank 1] FSDP 1 FSDP FSDPLinear (2, 4)" in text, text
+    plain = _text(cells["no_fsdp"])
+    assert "[rank 0] PLAIN MULTI_CPU" in plain and "[rank 1] PLAIN MULTI_CPU" in plain, plain
 
 
 @pytest.mark.timeout(400)  # the whole notebook runs in its set-up

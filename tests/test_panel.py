@@ -464,6 +464,35 @@ def test_real_launch_fills_the_panel():
     assert '<span class="nacc-launch-status" data-status="done">finished in' in p.header.value
 
 
+def test_the_header_marks_an_fsdp_launch_and_only_that_launch():
+    p = LaunchPanel(autoflush=False, show=False)
+    p.handle(ev.LaunchStarted(2, "fork", 2, fsdp=True))
+    p.flush()
+    assert '<span class="nacc-title">notebook_accel launch</span><span class="nacc-launch-mode" data-mode="fsdp">FSDP' in (
+        p.header.value
+    )
+    p.handle(ev.LaunchFinished(True, 1.0))
+    p.handle(ev.LaunchStarted(2, "fork", 2))  # the panel reused for a plain launch
+    p.flush()
+    assert "FSDP" not in p.header.value and "nacc-launch-mode" not in p.header.value
+
+
+@pytest.mark.timeout(120)
+def test_real_fsdp_launch_shows_fsdp_in_the_header(monkeypatch):
+    from panel_targets import print_lines
+
+    from notebook_accel import notebook_launcher
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    p = LaunchPanel(autoflush=False, show=False)
+    notebook_launcher(print_lines, args=(1,), num_processes=2, use_port="auto", cpu=True, sinks=[p], fsdp=True)
+    p.flush()
+    assert 'data-mode="fsdp">FSDP</span>' in p.header.value and "finished in" in p.header.value
+    notebook_launcher(print_lines, args=(1,), num_processes=2, use_port="auto", cpu=True, sinks=[p], fsdp=False)
+    p.flush()
+    assert "nacc-launch-mode" not in p.header.value and "finished in" in p.header.value
+
+
 def test_a_panel_reused_for_a_second_launch_starts_clean():
     p = make()
     p.handle(ev.RankStarted(0, 1))

@@ -220,6 +220,22 @@ def test_start_with_forkserver_and_bf16(kernel):
 
 
 @pytest.mark.timeout(180)
+def test_start_with_fsdp_shards_in_the_workers(kernel):
+    km, kc = kernel
+    ok(kc, "%load_ext notebook_accel")
+    text = ok(kc, "%accelerate start -n 2 --fsdp", timeout=120)["text"]
+    assert "session started: 2 workers (fork, FSDP on)" in text
+    text = ok(kc, "%%accelerate\nimport torch\nfrom notebook_accel import Accelerator\nacc = Accelerator()\n"
+                  "m = acc.prepare(torch.nn.Linear(4, 6))\n"
+                  "print('kind', acc.distributed_type, tuple(m.weight.to_local().shape))")["text"]  # fmt: skip
+    assert "[rank 0] kind FSDP (3, 4)\n" in text and "[rank 1] kind FSDP (3, 4)\n" in text, text
+    # A fresh launch's option while the session runs is refused, naming it.
+    seen = failed(kc, "%%accelerate --fsdp\npass", "UsageError")
+    assert "--fsdp" in str(seen["reply"]["evalue"]) and "%accelerate stop first" in str(seen["reply"]["evalue"])
+    assert "session stopped" in ok(kc, "%accelerate stop")["text"]
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 def test_a_worker_that_exits_is_reported_with_its_exit_code(kernel, start_method):
     km, kc = kernel

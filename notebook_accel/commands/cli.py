@@ -1,4 +1,4 @@
-"""`notebook-accel`: config, launch, env and test, for the terminal."""
+"""`notebook-accel`: config, launch, env, test and merge-weights, for the terminal."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from . import config_cmd, env_cmd, launch_cmd, selfcheck
+from . import config_cmd, env_cmd, launch_cmd, merge_cmd, selfcheck
 
 # name -> (module with add_arguments(parser) and run(args), one-line help, description)
 COMMANDS = {
@@ -37,6 +37,15 @@ COMMANDS = {
         (
             "Start CPU ranks (gloo) and check the process group, all_reduce, gather and broadcast; "
             "prints 'success' or what failed."
+        ),
+    ),
+    "merge-weights": (
+        merge_cmd,
+        "merge a sharded FSDP checkpoint into one safetensors file",
+        (
+            "Read the sharded model folder that save_state wrote with SHARDED_STATE_DICT "
+            "(a torch.distributed.checkpoint folder, e.g. pytorch_model_fsdp_0) and write the full weights "
+            "as OUTPUT_PATH/model.safetensors, in this process, on the CPU."
         ),
     ),
 }

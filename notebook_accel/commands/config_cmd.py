@@ -14,6 +14,7 @@ import sys
 
 from .. import config as cfg
 from ..utils import families
+from ..utils.fsdp_plugin import STATE_DICT_TYPES, WRAP_POLICIES
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*$")
 
@@ -182,6 +183,10 @@ def questionnaire(report) -> cfg.ClusterConfig:
     kind = "MULTI_CPU" if cpu else cfg.FAMILY_TYPES.get(family, "MULTI_GPU")
     if total == 1 and kind != "XLA":
         kind = "NO"
+    extra = {}
+    if total > 1 and kind != "XLA":  # one process has nothing to shard; XLA has its own sharding
+        if ask("Use FSDP (fully sharded data parallel) (yes/no)", yes_no, "no"):
+            kind, extra = "FSDP", {"fsdp_config": fsdp_questions()}
     config = cfg.ClusterConfig(
         distributed_type=kind,
         mixed_precision=mixed,
@@ -194,9 +199,64 @@ def questionnaire(report) -> cfg.ClusterConfig:
         main_process_ip=ip,
         main_process_port=port,
         rdzv_backend=rdzv,
+        extra=extra,
     )
     config.validate()
     return config
+
+
+def class_names(text: str) -> list:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a class name; enter names like BertLayer,GPT2Block")
+    return names
+
+
+def fsdp_questions() -> dict:
+    """The FSDP settings, as accelerate's fsdp_config keys (its spellings, so accelerate reads the file too)."""
+    print("FSDP version: 2 (torch's fully_shard, the one notebook_accel implements).")
+    out = {"fsdp_version": 2}
+    policies = [p.upper() for p in WRAP_POLICIES]
+    policy = ask(
+        f"Which submodules get their own shard: auto wrap policy ({', '.join(policies)})",
+        choice(policies),
+        "TRANSFORMER_BASED_WRAP",
+    )
+    out["fsdp_auto_wrap_policy"] = policy
+    if policy == "TRANSFORMER_BASED_WRAP":
+        names = ask(
+            "Transformer layer class names to wrap, comma-separated (none: the model's _no_split_modules)",
+            lambda text: [] if text.lower() == "none" else class_names(text),
+            "none",
+        )
+        if names:
+            out["fsdp_transformer_layer_cls_to_wrap"] = ",".join(names)
+    elif policy == "SIZE_BASED_WRAP":
+        out["fsdp_min_num_params"] = ask(
+            "Parameters a submodule needs for its own shard", whole(0), 100_000_000
+        )
+    out["fsdp_reshard_after_forward"] = ask(
+        "Free gathered parameters after forward (less memory, one more all-gather in backward) (yes/no)",
+        yes_no,
+        "yes",
+    )
+    out["fsdp_state_dict_type"] = ask(
+        f"How save_state writes the model ({', '.join(STATE_DICT_TYPES)})",
+        choice(STATE_DICT_TYPES),
+        "SHARDED_STATE_DICT",
+    )
+    out["fsdp_activation_checkpointing"] = ask(
+        "Activation checkpointing: recompute wrapped blocks' activations in backward (yes/no)", yes_no, "no"
+    )
+    out["fsdp_cpu_ram_efficient_loading"] = ask(
+        "Build the real weights on rank 0 only (the others on meta) and send each rank its shard (yes/no)",
+        yes_no,
+        "no",
+    )
+    # Not asked: offload needs an accelerator; written so accelerate reads the same choice.
+    out["fsdp_offload_params"] = False
+    return out
 
 
 def _own_address():

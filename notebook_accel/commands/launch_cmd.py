@@ -58,11 +58,54 @@ def add_arguments(p) -> None:
         default="fork",
         help="how ranks start (default fork: this process has computed nothing)",
     )
+    _add_fsdp_arguments(p)
     p.add_argument(
         "-m", "--module", action="store_true", help="treat the script as a module name, as `python -m`"
     )
     p.add_argument("training_script", help="the script to run (or the module, with -m)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+# accelerate launch's FSDP flags that notebook_accel's plugin reads (FSDP2 only); each is an fsdp_config key.
+_FSDP_FLAGS = (
+    (
+        "fsdp_version",
+        {"choices": ("2",), "help": "FSDP version: 2 (torch's fully_shard) is the one implemented"},
+    ),
+    ("fsdp_reshard_after_forward", {"help": "true: free gathered parameters after forward (FULL_SHARD)"}),
+    ("fsdp_auto_wrap_policy", {"help": "transformer_based_wrap, size_based_wrap or no_wrap"}),
+    (
+        "fsdp_transformer_layer_cls_to_wrap",
+        {"help": "class names that get their own shard, like Block,Attention"},
+    ),
+    ("fsdp_min_num_params", {"help": "with size_based_wrap: parameters a submodule needs for its own shard"}),
+    ("fsdp_state_dict_type", {"help": "SHARDED_STATE_DICT or FULL_STATE_DICT, for save_state"}),
+    ("fsdp_activation_checkpointing", {"help": "true: recompute activations of wrapped blocks in backward"}),
+    (
+        "fsdp_cpu_ram_efficient_loading",
+        {"help": "true: load the weights on one process (not implemented yet)"},
+    ),
+    ("fsdp_offload_params", {"help": "true: keep sharded parameters in host memory (needs an accelerator)"}),
+)
+
+
+def _add_fsdp_arguments(p) -> None:
+    group = p.add_argument_group("FSDP (sharded data parallel; the config's fsdp_config otherwise)")
+    group.add_argument(
+        "--use_fsdp", action="store_true", default=None, help="turn FSDP on in every rank (FSDP2)"
+    )
+    for name, options in _FSDP_FLAGS:
+        group.add_argument(f"--{name}", default=None, metavar="VALUE", **options)
+
+
+def _fsdp_setting(args: argparse.Namespace):
+    """make_plan's fsdp: None (as the config says), or the flags given as fsdp_* settings.
+
+    A --fsdp_* flag turns FSDP on, as it says what FSDP should do; its settings override the config's."""
+    settings = {name: getattr(args, name) for name, _ in _FSDP_FLAGS if getattr(args, name) is not None}
+    if settings:
+        return settings
+    return True if args.use_fsdp else None
 
 
 def run_script(target: str, argv: list, as_module: bool) -> int:
@@ -108,6 +151,9 @@ def _launch_kwargs(args: argparse.Namespace, config) -> dict:
         "max_restarts": args.max_restarts,
     }
     out.update({k: v for k, v in given.items() if v is not None})
+    fsdp = _fsdp_setting(args)
+    if fsdp is not None:
+        out["fsdp"] = fsdp
     machines = args.num_machines or (config.num_machines if config else 1)
     if "use_port" not in out and machines == 1 and (config is None or config.main_process_port is None):
         out["use_port"] = "auto"  # one machine needs no agreed port; a fixed one may be busy

@@ -108,11 +108,13 @@ class _Session(Session):
 
 
 class KernelSession:
-    def __init__(self, shell, num_processes: int, start_method: str, mixed_precision, cpu):
+    def __init__(self, shell, num_processes: int, start_method: str, mixed_precision, cpu, fsdp=None):
         self.id = next(_ids)
         self.shell = shell
         self.queue = OutputQueue()
-        self.session = _Session(num_processes, start_method, mixed_precision, cpu, on_output=self._on_output)
+        self.session = _Session(
+            num_processes, start_method, mixed_precision, cpu, on_output=self._on_output, fsdp=fsdp
+        )
         self.session.owner = self
         self.session.tick = self._pump
         self.cell: Optional[CellEvents] = None  # the running cell's events; main thread only
@@ -144,7 +146,7 @@ class KernelSession:
         sink = Fanout(frontend.default_sinks(show_after=PANEL_AFTER_S))
         stop = _Stop(self.session, targets)
         sink.attach(stop)
-        cell = self.cell = CellEvents(sink, targets, world, pids)
+        cell = self.cell = CellEvents(sink, targets, world, pids, fsdp=self.session.fsdp_on)
         self._pump()  # output that arrived between cells belongs to no cell: show it here
         try:
             replies = self.session.run_cell(source, filename, ranks=targets, timeout=timeout)
@@ -224,13 +226,13 @@ def _failure_text(replies: dict, failed: tuple, filename: str, label: str) -> st
 
 
 # -- %accelerate start/stop/... -------------------------------------------------------------------
-def start(shell, num_processes: int, start_method: str, mixed_precision, cpu) -> KernelSession:
+def start(shell, num_processes: int, start_method: str, mixed_precision, cpu, fsdp=None) -> KernelSession:
     global _current
     if _current is not None:
         raise RuntimeError(
             f"a session with {_current.world} workers is running: %accelerate restart, or %accelerate stop first"
         )
-    ks = KernelSession(shell, num_processes, start_method, mixed_precision, cpu)
+    ks = KernelSession(shell, num_processes, start_method, mixed_precision, cpu, fsdp)
     ks.session.start()
     _current = ks
     _notify(ks)

@@ -121,6 +121,7 @@ class LaunchModel:
         self.seconds: Optional[float] = None
         self.note = self.notice = ""
         self.stop_requested = False
+        self.fsdp = bool(started and started.fsdp)
         self.failures: list = []
         self.all = Log(self.max_lines, self.view_bytes)  # (rank, stream, text)
         self.ranks: dict = {}

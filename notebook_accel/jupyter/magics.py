@@ -24,6 +24,7 @@ LAUNCH_ONLY = (
     "num_processes",
     "mixed_precision",
     "cpu",
+    "fsdp",
     "num_nodes",
     "node_rank",
     "rdzv_endpoint",
@@ -58,6 +59,7 @@ def cell_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-method", choices=START_METHODS, default="fork")
     p.add_argument("--mixed-precision", choices=PRECISIONS, default=None)
     p.add_argument("--cpu", action="store_true", help="run on CPU even where accelerators exist")
+    p.add_argument("--fsdp", action="store_true", help="FSDP on for this launch (settings from the config)")
     p.add_argument("--num-nodes", type=_positive, default=None)
     p.add_argument("--node-rank", type=_int, default=None)
     p.add_argument("--rdzv-endpoint", default="", help="host:port where the nodes meet")
@@ -75,6 +77,7 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-method", choices=START_METHODS, default="fork")
     p.add_argument("--mixed-precision", choices=PRECISIONS, default=None)
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="FSDP on in the workers (settings from the config)")
     return p
 
 
@@ -93,6 +96,8 @@ def launch_kwargs(args: argparse.Namespace) -> dict:
         kwargs["rdzv_endpoint"] = args.rdzv_endpoint
     if args.cpu:
         kwargs["cpu"] = True
+    if args.fsdp:
+        kwargs["fsdp"] = True
     return kwargs
 
 
@@ -209,12 +214,12 @@ class AccelerateMagics(Magics):
                 args.start_method,
                 args.mixed_precision,
                 True if args.cpu else None,
+                True if args.fsdp else None,
             )
         except (RuntimeError, LaunchConfigError) as exc:
             raise UsageError(f"%accelerate start: {exc}") from None
-        print(
-            f"session started: {ks.world} workers ({args.start_method}); %%accelerate cells now run on them"
-        )
+        how = f"{args.start_method}, FSDP on" if args.fsdp else args.start_method
+        print(f"session started: {ks.world} workers ({how}); %%accelerate cells now run on them")
 
     def _cmd_stop(self, rest: list):
         from . import kernel_session as session

@@ -282,6 +282,7 @@ class LaunchPanel(Sink):
             "layout": m.layout,
             "launch": (m.state, m.note, m.stop_requested),
             "launch_elapsed": m.elapsed(now),
+            "fsdp": m.fsdp,
             "rows": [(r.rank, r.pid, r.state, r.detail, r.elapsed(now)) for r in ranks],
             "logs": logs,
             "dropped": dropped,
@@ -323,7 +324,8 @@ class LaunchPanel(Sink):
         # The launch's state last: a front end that shows "done" already shows the rest.
         state, note, stopping = snap["launch"]
         _set(self.stop_button, "disabled", state != "running" or stopping)
-        _set(self.header, "value", header_html(self.title, state, note, stopping, snap["launch_elapsed"]))
+        header = header_html(self.title, state, note, stopping, snap["launch_elapsed"], fsdp=snap["fsdp"])
+        _set(self.header, "value", header)
 
     def _draw_bar(self, rank: int, seen: tuple, state: Optional[str]) -> None:
         text, final = seen

@@ -57,7 +57,7 @@ def _seconds(value: Optional[float], running: bool) -> str:
     return f"{value:.0f} s" if running else f"{value:.1f} s"
 
 
-def header_html(title: str, state: str, note: str, stopping: bool, elapsed: float) -> str:
+def header_html(title: str, state: str, note: str, stopping: bool, elapsed: float, fsdp: bool = False) -> str:
     if state == "pending":
         text = "waiting for the launch"
     elif state == "running":
@@ -70,8 +70,10 @@ def header_html(title: str, state: str, note: str, stopping: bool, elapsed: floa
         text = "stopped"
     if note:
         text += f": {note}" if state in ("failed", "stopped") else f" · {note}"
+    # What the ranks do with models, beside the title: FSDP shards them (plain data parallel says nothing).
+    mode = '<span class="nacc-launch-mode" data-mode="fsdp">FSDP</span>' if fsdp else ""
     return (
-        f'<span class="nacc-title">{esc(title)}</span>'
+        f'<span class="nacc-title">{esc(title)}</span>{mode}'
         f'<span class="nacc-launch-status" data-status="{state}">{esc(text)}</span>'
     )
 

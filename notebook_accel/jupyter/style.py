@@ -26,6 +26,9 @@ CSS = f"""
 }}
 .nacc-launch .nacc-title, .nacc-hardware .nacc-title {{ font-weight: 600; }}
 .nacc-launch-status {{ margin-left: 0.8em; }}
+.nacc-launch-mode {{
+  margin-left: 0.6em; padding: 0 0.4em; border: 1px solid {BORDER}; border-radius: 3px; font-size: 0.9em;
+}}
 .nacc-launch [data-status="pending"] {{ opacity: 0.65; }}
 .nacc-launch [data-status="running"] {{ color: {BRAND}; }}
 .nacc-launch [data-status="done"] {{ color: {SUCCESS}; }}

@@ -12,13 +12,14 @@ from typing import Optional
 @dataclass(frozen=True)
 class LaunchStarted:
     """`ranks` names the ranks taking part when they are not this node's block of num_processes
-    (a session cell sent to some workers only)."""
+    (a session cell sent to some workers only); `fsdp`: the ranks shard models with FSDP."""
 
     num_processes: int
     start_method: str
     world_size: int
     node_rank: int = 0
     ranks: tuple = ()
+    fsdp: bool = False
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ def notebook_launcher(
     cpu: Optional[bool] = None,
     sinks=None,
     timeout: Optional[float] = None,
+    fsdp=None,
 ) -> list:
     """Run `function(*args)` on `num_processes` processes; return each local rank's return value.
 
@@ -42,7 +43,10 @@ def notebook_launcher(
     `LaunchTimeoutError` when the run takes longer. `sinks` replace the default sink: the live panel
     in a notebook kernel with widgets, else rank-prefixed text on the console (see frontend.py).
     Arguments left out come from the config file (`notebook-accel config`) when there is one, else
-    take the defaults shown; `cpu=None` means the config's `use_cpu`, else False.
+    take the defaults shown; `cpu=None` means the config's `use_cpu`, else False. `fsdp=True` turns
+    FSDP on in every rank (`Accelerator()` then shards with the plugin's FSDP_* settings), False turns
+    it off whatever the config says, and a dict of accelerate's fsdp_config keys (`fsdp_auto_wrap_policy`,
+    `fsdp_min_num_params`, ...) turns it on with those settings; None does as the config says.
     """
     if not callable(function):
         raise TypeError(
@@ -66,6 +70,7 @@ def notebook_launcher(
         log_line_prefix_template=log_line_prefix_template,
         start_method=start_method,
         cpu=cpu,
+        fsdp=fsdp,
     )
     control = LaunchControl(timeout)
     for note in plan.notes:

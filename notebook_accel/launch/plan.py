@@ -71,12 +71,18 @@ class LaunchPlan:
     monitor_interval: float = 0.1
     log_line_prefix_template: Optional[str] = None
     threads_per_process: int = 1
+    fsdp: bool = False  # the ranks build an FSDP plugin from FSDP_* (ACCELERATE_USE_FSDP is true)
     notes: tuple = ()  # one-line messages the user should see (why a default was changed)
     env: dict = field(default_factory=dict)  # set in every child
 
     @property
     def world_size(self) -> int:
         return self.num_processes * self.num_nodes
+
+    @property
+    def fsdp_settings(self) -> dict:
+        """The FSDP_* variables this plan sets for its ranks (the plugin's settings), by variable."""
+        return {k: v for k, v in self.env.items() if k.startswith("FSDP_")} if self.fsdp else {}
 
     def rank_env(self, local_rank: int) -> dict:
         rank = self.node_rank * self.num_processes + local_rank
@@ -112,6 +118,7 @@ def make_plan(
     debug: Optional[bool] = None,
     gpu_ids: Optional[str] = None,
     config_file: Optional[str] = None,
+    fsdp=None,
 ) -> LaunchPlan:
     from .. import hardware
     from ..utils.dataclasses import parse_mixed_precision
@@ -188,7 +195,7 @@ def make_plan(
     threads = _threads_per_process(num_processes, start_method, notes)
 
     env = {
-        **config_env,
+        **_fsdp_env(config_env, fsdp),
         LAUNCHER_ENV: "1",
         MIXED_PRECISION_ENV: mixed_precision,
         "OMP_NUM_THREADS": str(threads),
@@ -219,6 +226,7 @@ def make_plan(
         monitor_interval=float(monitor_interval),
         log_line_prefix_template=log_line_prefix_template,
         threads_per_process=threads,
+        fsdp=_fsdp_on(env),
         notes=tuple(notes),
         env=env,
     )
@@ -323,6 +331,43 @@ def _with_config(config_file, notes: list, given: dict) -> dict:
         notes.append(f"notebook_accel: from {config.path}: {', '.join(shown)}")
     values.update(taken)
     return values, config.launch_env()
+
+
+def _fsdp_env(config_env: dict, fsdp) -> dict:
+    """The config's variables with FSDP as `fsdp` says: None keeps the config's choice, True turns it
+    on, False off (the config's settings dropped), a dict of fsdp_* settings on with those settings."""
+    from ..utils.fsdp_plugin import USE_FSDP_ENV, launch_variables
+
+    if fsdp is None:
+        return config_env
+    if fsdp is True:
+        return {**config_env, USE_FSDP_ENV: "true"}
+    if fsdp is False:
+        kept = {k: v for k, v in config_env.items() if not k.startswith("FSDP_")}
+        return {
+            **kept,
+            USE_FSDP_ENV: "false",
+        }  # "false", not absent: this process's own variable is inherited
+    if isinstance(fsdp, dict):
+        try:
+            return {**config_env, USE_FSDP_ENV: "true", **launch_variables(fsdp)}
+        except ValueError as exc:
+            raise LaunchConfigError(f"fsdp={fsdp!r}: {exc}.") from None
+    raise LaunchConfigError(
+        f"fsdp={fsdp!r} must be None (as the config says), True, False, or a dict of accelerate's fsdp_* "
+        "settings such as {'fsdp_auto_wrap_policy': 'size_based_wrap', 'fsdp_min_num_params': 1000}."
+    )
+
+
+def _fsdp_on(env: dict) -> bool:
+    from ..utils.env_flags import str_to_bool
+    from ..utils.fsdp_plugin import USE_FSDP_ENV
+
+    value = env.get(USE_FSDP_ENV, os.environ.get(USE_FSDP_ENV, "false"))  # ranks inherit this process's
+    try:
+        return bool(str_to_bool(value))
+    except ValueError:
+        return False
 
 
 def _load_config(config_file):
@@ -472,16 +517,30 @@ def launch_preview() -> Preview:
     processes = str(plan.num_processes)
     if plan.num_nodes > 1:
         processes += f" per node × {plan.num_nodes} nodes"
+    kind = "FSDP" if plan.fsdp and plan.world_size > 1 else str(placement.distributed_type)
     rows = [
-        ("Distributed type", str(placement.distributed_type)),
+        ("Distributed type", kind),
         ("Processes", processes),
         ("Backend", placement.backend or "none: one process, run in this kernel"),
         ("Start method", f"{plan.start_method} ({plan.engine} engine)"),
         ("Mixed precision", plan.mixed_precision),
     ]
+    if plan.fsdp:
+        rows.append(("FSDP", fsdp_summary(plan)))
     if plan.num_processes == 1 and plan.engine == "local":
         # One process is the default without accelerators; say what asking for more gives.
         many = resolve_placement(LaunchEnv(world_size=2, local_world_size=2), None, cpu=True)
         how = "num_processes=N" if family in (None, "mps") else "num_processes=N, cpu=True"
         rows.append((f"With {how}", f"{many.distributed_type} on {many.backend}, N CPU processes"))
     return Preview(rows, [note.removeprefix("notebook_accel: ") for note in plan.notes], None)
+
+
+def fsdp_summary(plan: LaunchPlan) -> str:
+    """FSDP's settings in one line, as the ranks' plugin will read them (its defaults for the rest)."""
+    settings = ", ".join(f"{k[len('FSDP_') :].lower()}={v}" for k, v in sorted(plan.fsdp_settings.items()))
+    text = (
+        f"on ({settings})" if settings else "on (the plugin's defaults: FSDP2, no_wrap, sharded state dict)"
+    )
+    if plan.world_size == 1:
+        text += "; on one process FSDP shards nothing: launch 2 or more to shard"
+    return text

@@ -11,12 +11,12 @@ from ..launch import events as ev
 class CellEvents:
     """The events of one cell sent to `targets` of `world` ranks (`pids`: rank -> pid)."""
 
-    def __init__(self, sink, targets: list, world: int, pids: dict):
+    def __init__(self, sink, targets: list, world: int, pids: dict, fsdp: bool = False):
         self.sink = sink
         self.targets = list(targets)
         self.pids = pids
         self.started = time.monotonic()
-        sink.handle(ev.LaunchStarted(len(targets), "session", world, ranks=tuple(targets)))
+        sink.handle(ev.LaunchStarted(len(targets), "session", world, ranks=tuple(targets), fsdp=fsdp))
         for rank in targets:
             sink.handle(ev.RankStarted(rank, pids.get(rank, 0)))
 

@@ -38,11 +38,14 @@ class Session:
         mixed_precision: Optional[str] = None,
         cpu: Optional[bool] = None,
         on_output: Optional[Callable] = None,
+        fsdp=None,
     ):
         self.num_processes = num_processes
         self.start_method = start_method
         self.mixed_precision = mixed_precision
         self.cpu = cpu
+        self.fsdp = fsdp  # as make_plan takes it: None (the config's choice), True, False or settings
+        self.fsdp_on = False  # whether the running workers have FSDP on (their plan's word)
         self.on_output = on_output or print_output  # (rank, stream, text, transient), from a thread
         self.tick: Optional[Callable] = None  # called often in the waiting thread while calls wait
         self._pool: Optional[WorkerPool] = None
@@ -88,6 +91,7 @@ class Session:
             mixed_precision=self.mixed_precision or default("no"),
             start_method=self.start_method,
             cpu=self.cpu,
+            fsdp=self.fsdp,
             **ONE_MACHINE,
         )
         if plan.engine != "local":
@@ -97,6 +101,7 @@ class Session:
         pool = WorkerPool(lambda *line: self.on_output(*line))
         pool.open(plan, timeout)
         self._pool = pool
+        self.fsdp_on = plan.fsdp
         return self
 
     def stop(self) -> None:

@@ -31,6 +31,88 @@ _FSDP1_ONLY = (
 )
 
 
+USE_FSDP_ENV = "ACCELERATE_USE_FSDP"
+# accelerate's fsdp_config keys (and `accelerate launch --fsdp_*` flags) -> the variable the plugin reads.
+LAUNCH_VARIABLES = {
+    "fsdp_version": "FSDP_VERSION",
+    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
+    "fsdp_auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
+    "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+    "fsdp_min_num_params": "FSDP_MIN_NUM_PARAMS",
+    "fsdp_state_dict_type": "FSDP_STATE_DICT_TYPE",
+    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
+    "fsdp_cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
+    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
+    "fsdp_ignored_modules": "FSDP_IGNORED_MODULES",
+}
+_FLAG_KEYS = (
+    "fsdp_activation_checkpointing",
+    "fsdp_cpu_ram_efficient_loading",
+    "fsdp_offload_params",
+)
+
+
+def launch_variables(settings: dict, strict: bool = True) -> dict:
+    """The FSDP_* variables for accelerate's fsdp_config keys; ValueError names a bad key or value.
+
+    strict=False is for a config file accelerate wrote: its other fsdp_* keys (FSDP1 settings among
+    them) pass as FSDP_<NAME>, unchecked, as accelerate's launcher passes them."""
+    if not isinstance(settings, dict):
+        raise ValueError(f"must be a dict of accelerate's fsdp_* settings, not {type(settings).__name__}")
+    known = sorted(LAUNCH_VARIABLES)
+    bad = sorted(str(k) for k in settings if not str(k).startswith("fsdp_") or (strict and k not in LAUNCH_VARIABLES))
+    if bad:
+        raise ValueError(f"unknown key(s) {bad}; the keys are accelerate's fsdp_config names: {', '.join(known)}")
+    env = {}
+    for key, value in settings.items():
+        if value is None:  # YAML's null: not set, so the plugin's default holds
+            continue
+        name = LAUNCH_VARIABLES.get(key) or "FSDP_" + key[len("fsdp_") :].upper()
+        if key in LAUNCH_VARIABLES:
+            value = _checked(key, value)
+        if isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        env[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
+
+
+def _checked(key: str, value):
+    """One launch setting, checked as the plugin would check it in every rank, but before any starts."""
+
+    def fail(wanted: str):
+        raise ValueError(f"{key}={value!r}: {wanted}")
+
+    text = str(value).strip()
+    if key == "fsdp_version":
+        if text != "2":
+            fail("notebook_accel implements FSDP2 only; use 2")
+    elif key == "fsdp_reshard_after_forward":
+        if isinstance(value, bool) or text.upper() in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            return value
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            fail("use true or false (FULL_SHARD or SHARD_GRAD_OP also work)")
+    elif key == "fsdp_auto_wrap_policy":
+        if text.lower() not in WRAP_POLICIES:
+            fail(f"use one of {', '.join(WRAP_POLICIES)}")
+        return text.lower()
+    elif key == "fsdp_min_num_params":
+        if isinstance(value, bool) or not text.isdigit():
+            fail("use a whole number of parameters, 0 or more")
+    elif key == "fsdp_state_dict_type":
+        if text.upper() not in STATE_DICT_TYPES:
+            fail(f"use {' or '.join(STATE_DICT_TYPES)}")
+        return text.upper()
+    elif key in _FLAG_KEYS:
+        if not isinstance(value, bool) and text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            fail("use true or false")
+    elif key == "fsdp_transformer_layer_cls_to_wrap":
+        names = value if isinstance(value, (list, tuple)) else [n for n in text.split(",") if n.strip()]
+        if not all(isinstance(n, str) and n.strip().isidentifier() for n in names):
+            fail("use class names, as a list or comma-separated (e.g. 'Block,Attention')")
+        return [n.strip() for n in names]  # none: the model's _no_split_modules
+    return value
+
+
 @dataclass
 class FullyShardedDataParallelPlugin:
     """FSDP2 through `Accelerator(fsdp_plugin=...)`: which submodules get their own `fully_shard`
@@ -106,6 +188,9 @@ class FullyShardedDataParallelPlugin:
             self.mixed_precision_policy = _policy(self.mixed_precision_policy)
 
     def _resolve_resharding(self) -> None:
+        if self.reshard_after_forward is None and self.sharding_strategy is None:
+            if "FSDP_RESHARD_AFTER_FORWARD" not in os.environ:
+                self.sharding_strategy = os.environ.get("FSDP_SHARDING_STRATEGY")  # an FSDP1 config's spelling
         if self.reshard_after_forward is None and self.sharding_strategy is not None:
             name = str(getattr(self.sharding_strategy, "name", self.sharding_strategy)).upper()
             mapping = {"FULL_SHARD": True, "1": True, "SHARD_GRAD_OP": False, "2": False}

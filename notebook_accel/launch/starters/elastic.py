@@ -83,7 +83,9 @@ def run(plan, payload, sink, control) -> list:
         logs_specs=DefaultLogsSpecs(log_dir=hub.tmp),
     )
     args = (hub.path, plan.env, plan.threads_per_process, target)
-    sink.handle(ev.LaunchStarted(plan.num_processes, start_method, plan.world_size, plan.node_rank))
+    sink.handle(
+        ev.LaunchStarted(plan.num_processes, start_method, plan.world_size, plan.node_rank, fsdp=plan.fsdp)
+    )
     started = time.monotonic()
     control.start()
     agent = None

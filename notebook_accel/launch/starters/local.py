@@ -73,7 +73,11 @@ def run(plan, payload, sink, control) -> list:
     if plan.start_method != "fork":
         payload.pickled()  # before LaunchStarted: a launch that cannot start shows no panel
     started = time.monotonic()
-    sink.handle(ev.LaunchStarted(plan.num_processes, plan.start_method, plan.world_size, plan.node_rank))
+    sink.handle(
+        ev.LaunchStarted(
+            plan.num_processes, plan.start_method, plan.world_size, plan.node_rank, fsdp=plan.fsdp
+        )
+    )
     ranks = None
     try:
         if plan.start_method == "forkserver":

@@ -75,6 +75,16 @@ def test_cpu_two_processes_are_two_multi_cpu_ranks_with_the_script_args(workdir)
 
 
 @pytest.mark.timeout(90)
+def test_a_long_line_reaches_the_terminal_whole(workdir):
+    """A notebook cell cuts a line past 16 KiB; the command line hands it on as the rank wrote it."""
+    (workdir / "long.py").write_text("print('x' * 100_000 + 'END')\n")
+    done = _launch(workdir, "--cpu", "--num_processes", "2", "long.py")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[rank ")]
+    assert sorted(lines) == [f"[rank {r}] " + "x" * 100_000 + "END" for r in (0, 1)]
+
+
+@pytest.mark.timeout(90)
 def test_module_launch_runs_the_module_as_main(workdir):
     done = _launch(workdir, "--cpu", "--num_processes", "2", "-m", "mypkg.train", "x")
     assert done.returncode == 0, done.stderr

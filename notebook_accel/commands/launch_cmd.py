@@ -202,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
         parser.error(str(exc))
     for note in plan.notes:
         print(note, file=sys.stderr)
-    sink = Fanout([ConsoleSink()])
+    # A terminal or a pipe takes long lines whole (a rank printing JSON); only a notebook cell cuts them.
+    sink = Fanout([ConsoleSink(max_line=None)])
     try:
         run_plan(plan, run_script, (target, list(args.training_script_args), args.module), sink)
     except LaunchFailedError as exc:

@@ -129,3 +129,19 @@ def test_tqdm_auto_in_a_launched_function_even_when_the_kernel_chose_widgets(ker
         log = shown["logs"][rank]
         assert "input: EOF" in log and "Traceback" not in log, log
     assert_kernel_logs_clean(read_logs)
+
+
+@pytest.mark.timeout(180)
+def test_tqdm_auto_in_a_session_cell_becomes_one_text_bar_per_rank(kernel_with_logs):
+    # Session workers are ranks too: they leave the kernel through the same launch/child.py.
+    kc, read_logs = kernel_with_logs
+    started = run(kc, "%accelerate start -n 2", timeout=120)
+    assert started["reply"]["status"] == "ok", started
+    seen = run(kc, "%%accelerate\nfrom tqdm.auto import tqdm\nfor _ in tqdm(range(5), desc='session'):\n    pass\n")
+    assert not seen["errors"], seen["errors"]
+    shown = panel(seen)
+    assert shown["bars"] == [1.0, 1.0], shown
+    assert len(shown["labels"]) == 2, shown
+    assert all(label.startswith("session: 5/5 [") for label in shown["labels"]), shown
+    assert run(kc, "%accelerate stop")["reply"]["status"] == "ok"
+    assert_kernel_logs_clean(read_logs)

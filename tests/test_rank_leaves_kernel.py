@@ -46,7 +46,14 @@ def train(n):
         print("input: EOF")
     return n
 
-print("RESULTS", notebook_launcher(train, args=(3,), num_processes=2, use_port="auto"))
+print("RESULTS", notebook_launcher(train, args=(3,), num_processes=2, use_port="auto"{extra}))
+"""
+
+SESSION_CELL = """\
+%%accelerate
+from tqdm.auto import tqdm
+for _ in tqdm(range(5), desc="session"):
+    pass
 """
 
 
@@ -114,11 +121,13 @@ def test_tqdm_auto_in_an_accelerate_cell_becomes_one_text_bar_per_rank(kernel_wi
 
 
 @pytest.mark.timeout(180)
-def test_tqdm_auto_in_a_launched_function_even_when_the_kernel_chose_widgets(kernel_with_logs):
+@pytest.mark.parametrize("extra", ["", ", max_restarts=1"], ids=["local", "elastic"])
+def test_tqdm_auto_in_a_launched_function_even_when_the_kernel_chose_widgets(kernel_with_logs, extra):
+    # max_restarts=1: torch elastic's agent, in a process forked from the kernel, forks the ranks.
     kc, read_logs = kernel_with_logs
     kernel_bar = run(kc, KERNEL_TQDM)
     assert "tqdm.notebook" in kernel_bar["text"], kernel_bar  # the kernel itself keeps its widgets
-    seen = run(kc, LAUNCHER, timeout=150)
+    seen = run(kc, LAUNCHER.format(extra=extra), timeout=150)
     assert not seen["errors"], seen["errors"]
     assert "RESULTS [3, 3]" in seen["text"], seen["text"]
     shown = panel(seen)
@@ -127,6 +136,7 @@ def test_tqdm_auto_in_a_launched_function_even_when_the_kernel_chose_widgets(ker
     assert all(label.startswith("held: 3/3 [") for label in shown["labels"]), shown
     for rank in (0, 1):
         log = shown["logs"][rank]
+        assert "imported: 100%" in log and "3/3" in log, log  # the first bar's last state, as text
         assert "input: EOF" in log and "Traceback" not in log, log
     assert_kernel_logs_clean(read_logs)
 
@@ -137,7 +147,7 @@ def test_tqdm_auto_in_a_session_cell_becomes_one_text_bar_per_rank(kernel_with_l
     kc, read_logs = kernel_with_logs
     started = run(kc, "%accelerate start -n 2", timeout=120)
     assert started["reply"]["status"] == "ok", started
-    seen = run(kc, "%%accelerate\nfrom tqdm.auto import tqdm\nfor _ in tqdm(range(5), desc='session'):\n    pass\n")
+    seen = run(kc, SESSION_CELL)
     assert not seen["errors"], seen["errors"]
     shown = panel(seen)
     assert shown["bars"] == [1.0, 1.0], shown

@@ -25,7 +25,10 @@ def leave_the_kernel(kernel_streams: tuple = ()) -> None:
     the kernel's own terminal, which they keep a descriptor of, is pointed at fds 1 and 2 too."""
     _redirect_kernel_terminal(kernel_streams)
     _drop_the_shell()
-    sys.displayhook, sys.excepthook = sys.__displayhook__, sys.__excepthook__
+    if _from_the_kernel(sys.displayhook):
+        sys.displayhook = sys.__displayhook__
+    if _from_the_kernel(sys.excepthook):
+        sys.excepthook = sys.__excepthook__
     _plain_input()
     _plain_comms()
     _text_progress_bars()
@@ -41,6 +44,14 @@ def _redirect_kernel_terminal(kernel_streams: tuple) -> None:
                 os.dup2(fd, copy)
             except OSError:
                 pass
+
+
+def _from_the_kernel(hook) -> bool:
+    # IPython's and ipykernel's hooks (a bound method of the shell, ipykernel's display hook); a
+    # hook the user's own script installed before forking stays.
+    owner = getattr(hook, "__self__", hook)
+    module = getattr(type(owner), "__module__", "") or ""
+    return module.split(".")[0] in ("IPython", "ipykernel")
 
 
 def _drop_the_shell() -> None:

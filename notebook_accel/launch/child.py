@@ -1,4 +1,5 @@
-"""What runs inside each rank process: take over fds 1 and 2, run the function, report back.
+"""What runs inside each rank process: take over fds 1 and 2, leave the kernel (when forked from
+one), run the function, report back.
 
 A rank receives three connected sockets: `out` and `err` become fds 1 and 2 (so C-level output
 is caught too), `ctrl` carries the frames of channel.py: ("started", pid), ("result", body, sizes)
@@ -15,6 +16,7 @@ import sys
 import traceback
 
 from .channel import recv_frame, send_frame, send_result
+from .leave_kernel import leave_the_kernel
 
 
 def _die_with_parent() -> None:
@@ -76,7 +78,9 @@ def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
     """Run one rank; `load()` returns (function, args). Returns the process exit code."""
     out_fd, err_fd, ctrl_fd = fds
     _die_with_parent()
+    kernel_streams = (sys.stdout, sys.stderr)
     _take_over_stdio(out_fd, err_fd)
+    leave_the_kernel(kernel_streams)  # display(), widgets, input(): this process's, not the kernel's
     os.close(out_fd)
     os.close(err_fd)
     ctrl = socket.socket(fileno=ctrl_fd)

@@ -1,6 +1,7 @@
 """The session worker: a launched rank whose function serves cells until told to stop.
 
-The launch machinery has already taken over fds 1 and 2 and set the launch environment; here
+The launch machinery (launch/child.py) has already taken over fds 1 and 2, left the kernel's
+shell (launch/leave_kernel.py) and set the launch environment; here
 the process group comes up, the worker connects back to the parent, says hello, and then answers
 exec / push / pull messages one at a time. Returning ends the rank (its group is destroyed then).
 """
@@ -24,7 +25,6 @@ def serve(port: int, key: bytes) -> int:
     from ..state import PartialState
 
     state = PartialState()
-    _leave_the_kernel()
     _line_buffered_stdio()
     display.use_backend()
     cells = Cells()
@@ -102,15 +102,6 @@ class _ToCpuPickler(cloudpickle.Pickler):
         if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
             return _to_cpu(obj).__reduce_ex__(self.proto)
         return super().reducer_override(obj)
-
-
-def _leave_the_kernel() -> None:
-    # A worker forked from a kernel inherits its IPython shell, whose display() and widgets
-    # would write to the kernel's sockets from a second process. Without it, get_ipython() is
-    # None here and libraries fall back to text (tqdm.auto too).
-    module = sys.modules.get("IPython.core.interactiveshell")
-    if module is not None and module.InteractiveShell.initialized():
-        type(module.InteractiveShell.instance()).clear_instance()
 
 
 def _line_buffered_stdio() -> None:

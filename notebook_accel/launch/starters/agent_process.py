@@ -18,6 +18,7 @@ import threading
 
 from .. import procs
 from ..child import _die_with_parent
+from ..leave_kernel import leave_the_kernel
 
 _TEXT_LIMIT = 16 << 10
 
@@ -104,8 +105,10 @@ def _fork_agent(config, entry, args, read_fd: int, write_fd: int) -> int:
         _die_with_parent()
         procs._after_fork_like_multiprocessing()
         # A kernel's sys.stdout talks to its sockets: this process writes to the plain fds instead.
+        kernel_streams = (sys.stdout, sys.stderr)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+        leave_the_kernel(kernel_streams)  # every attempt's ranks are forked from here
         report = b""
         try:
             from torch.distributed.launcher.api import elastic_launch

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import operator
 import os
-import socket
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from ..utils import families
+from . import ports
 from .errors import LaunchConfigError
+from .ports import free_port  # noqa: F401  (its old home: tests, tools and benchmarks import it here)
 
 START_METHODS = ("fork", "spawn", "forkserver")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
@@ -72,6 +74,7 @@ class LaunchPlan:
     log_line_prefix_template: Optional[str] = None
     threads_per_process: int = 1
     fsdp: bool = False  # the ranks build an FSDP plugin from FSDP_* (ACCELERATE_USE_FSDP is true)
+    port_held: bool = False  # master_port was picked here and is held until the launch ends (ports.py)
     notes: tuple = ()  # one-line messages the user should see (why a default was changed)
     env: dict = field(default_factory=dict)  # set in every child
 
@@ -191,7 +194,15 @@ def make_plan(
 
     if rdzv_endpoint:
         _check_endpoint(rdzv_endpoint)
-    port = _resolve_port(use_port, master_addr, check_free=(engine == "local" and num_nodes == 1))
+    # One machine needs no agreed port: without an explicit one, a free one is picked and held
+    # (ports.py), so two notebooks on one machine never meet on 29500. Nodes keep the one they agree on.
+    one_machine = num_nodes == 1
+    port, port_held = ports.resolve(
+        use_port,
+        master_addr,
+        pick=is_default(use_port) and one_machine,
+        check_free=(engine == "local" and one_machine),
+    )
     threads = _threads_per_process(num_processes, start_method, notes)
 
     env = {
@@ -209,7 +220,7 @@ def make_plan(
         env[visible[0]] = visible[1]
     if start_method == "fork":
         env["FORK_LAUNCHED"] = "1"
-    return LaunchPlan(
+    plan = LaunchPlan(
         num_processes=num_processes,
         start_method=start_method,
         engine=engine,
@@ -229,7 +240,11 @@ def make_plan(
         fsdp=_fsdp_on(env),
         notes=tuple(notes),
         env=env,
+        port_held=port_held,
     )
+    if port_held:
+        weakref.finalize(plan, ports.release, port)  # a plan dropped unlaunched lets go of its port
+    return plan
 
 
 def choose_engine(family: Optional[str], num_nodes: int, max_restarts: int, rdzv_backend: str) -> str:
@@ -423,41 +438,6 @@ def _check_endpoint(endpoint) -> None:
             f"rdzv_endpoint={endpoint!r} is not 'host:port' (for example '10.0.0.1:29400'): pass node 0's "
             "address and a port every node can reach."
         )
-
-
-def _resolve_port(use_port, master_addr: str, check_free: bool) -> int:
-    text = str(use_port).strip().lower()
-    if text in ("auto", "0", ""):
-        return free_port(master_addr or "127.0.0.1")
-    try:
-        port = int(text)
-    except ValueError:
-        raise LaunchConfigError(f"use_port={use_port!r} must be a port number or 'auto'.") from None
-    if not 1 <= port <= 65535:
-        raise LaunchConfigError(f"use_port={port} is outside 1..65535; pass a valid port or 'auto'.")
-    if check_free and not _is_free(port, master_addr or "127.0.0.1"):
-        raise LaunchConfigError(
-            f"Port {port} on {master_addr} is already in use (another launch or program holds it); "
-            "pass use_port='auto' to pick a free one, or another port."
-        )
-    return port
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def _is_free(port: int, addr: str) -> bool:
-    with socket.socket() as s:
-        # As torch's TCPStore binds: a port left in TIME_WAIT by the last launch is free, a listener is not.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
 
 
 def _threads_per_process(num_processes: int, start_method: str, notes: list) -> int:

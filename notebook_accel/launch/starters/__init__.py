@@ -27,4 +27,10 @@ def starter_for(plan):
 
 
 def run(plan, payload, sink, control) -> list:
-    return starter_for(plan).run(plan, payload, sink, control)
+    try:
+        return starter_for(plan).run(plan, payload, sink, control)
+    finally:
+        if plan.port_held:  # the ranks are gone: the port the plan picked is free for others again
+            from ..ports import release
+
+            release(plan.master_port)

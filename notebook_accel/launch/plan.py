@@ -83,6 +83,11 @@ class LaunchPlan:
         return self.num_processes * self.num_nodes
 
     @property
+    def chooses_devices(self) -> bool:
+        """gpu_ids chose the devices: the ranks get a visible-devices variable (so none runs here)."""
+        return any(name in self.env for name in _VISIBLE_ENV.values())
+
+    @property
     def fsdp_settings(self) -> dict:
         """The FSDP_* variables this plan sets for its ranks (the plugin's settings), by variable."""
         return {k: v for k, v in self.env.items() if k.startswith("FSDP_")} if self.fsdp else {}
@@ -160,7 +165,7 @@ def make_plan(
     engine = choose_engine(family, num_nodes, max_restarts, rdzv_backend)
 
     devices = hardware.device_count(family) if family and families.family(family).rank_per_device else 0
-    visible = _visible_devices(family, gpu_ids, devices)
+    visible = _visible_devices(family, gpu_ids, devices, cpu)
     if visible:
         devices = len(visible[1].split(","))
     if num_processes is None:
@@ -185,7 +190,8 @@ def make_plan(
             "ranks from a fresh forkserver (start_method='forkserver'): the function and its arguments travel "
             "pickled, not inherited."
         )
-    if start_method == "fork" and not (engine == "local" and num_processes == 1):
+    # With gpu_ids, even one rank runs in a child: the variable must be set before its runtime starts.
+    if start_method == "fork" and not (engine == "local" and num_processes == 1 and not visible):
         _check_fork_is_safe()
     if engine == "elastic" and rdzv_backend == "static" and num_nodes > 1 and not master_addr:
         raise LaunchConfigError(
@@ -396,20 +402,54 @@ def _load_config(config_file):
 _VISIBLE_ENV = {f.name: f.visible_env for f in families.FAMILIES if f.visible_env}
 
 
-def _visible_devices(family, gpu_ids, devices: int):
-    """(variable, "0,2") for gpu_ids naming devices, or None for all of them (or no accelerator)."""
-    if gpu_ids is None or family is None or str(gpu_ids).strip().lower() == "all":
+def _visible_devices(family, gpu_ids, devices: int, cpu: bool):
+    """(variable, "0,2") for gpu_ids naming devices, or None for all of them. Indices count the
+    devices this process sees: where the variable is set here already, they pick from its list."""
+    if gpu_ids is None or (isinstance(gpu_ids, str) and gpu_ids.strip().lower() == "all"):
         return None
-    try:
-        ids = [int(p) for p in str(gpu_ids).split(",") if p.strip()]
-    except ValueError:
-        raise LaunchConfigError(f"gpu_ids={gpu_ids!r} must be 'all' or device indices like '0,1'.") from None
+    ids = _device_ids(gpu_ids)
+    if cpu:
+        raise LaunchConfigError(
+            f"gpu_ids={gpu_ids!r} chooses accelerator devices, but cpu=True runs every rank on the CPU: "
+            "leave gpu_ids out (or 'all'), or drop cpu=True."
+        )
+    if family is None:
+        raise LaunchConfigError(
+            f"gpu_ids={gpu_ids!r} but no accelerator is detected here (CPU only): leave gpu_ids out to run "
+            "on the CPU, or run where the devices are."
+        )
     if family not in _VISIBLE_ENV:
         raise LaunchConfigError(f"gpu_ids={gpu_ids!r} cannot select {family} devices; leave it at 'all'.")
     bad = [i for i in ids if not 0 <= i < devices]
-    if bad or not ids:
-        raise LaunchConfigError(f"gpu_ids={gpu_ids!r}: {family} devices here are 0..{devices - 1}.")
-    return _VISIBLE_ENV[family], ",".join(map(str, ids))
+    if bad:
+        seen = f"devices here are 0..{devices - 1}" if devices else "no device is visible here"
+        raise LaunchConfigError(f"gpu_ids={gpu_ids!r}: {family} {seen}; pass indices among them.")
+    variable = _VISIBLE_ENV[family]
+    inherited = [e.strip() for e in os.environ.get(variable, "").split(",") if e.strip()]
+    chosen = [inherited[i] if len(inherited) == devices else str(i) for i in ids]
+    return variable, ",".join(chosen)
+
+
+def _device_ids(gpu_ids) -> list:
+    """"0,2", 1 or [0, 2] -> [0, 2]; anything else is refused naming the value."""
+    try:
+        if isinstance(gpu_ids, bool):
+            raise ValueError
+        if isinstance(gpu_ids, (list, tuple)):
+            ids = [operator.index(i) for i in gpu_ids if not isinstance(i, bool)]
+            if len(ids) != len(gpu_ids):
+                raise ValueError
+        elif isinstance(gpu_ids, int):
+            ids = [gpu_ids]
+        else:
+            ids = [int(p) for p in str(gpu_ids).split(",") if p.strip()]
+    except (ValueError, TypeError):
+        raise LaunchConfigError(
+            f"gpu_ids={gpu_ids!r} must be 'all' or device indices like '0,1' (or [0, 1])."
+        ) from None
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise LaunchConfigError(f"gpu_ids={gpu_ids!r} must name distinct device indices >= 0, like '0,1'.")
+    return ids
 
 
 def _cuda_initialised() -> bool:

@@ -461,10 +461,19 @@ def _check_fork_is_safe() -> None:
     if sys.platform == "win32":
         raise LaunchConfigError("start_method='fork' is not available on Windows; use start_method='spawn'.")
     if _cuda_initialised():
+        from ..utils import cuda_init
+        from .frontend import label_traceback
+
+        where = cuda_init.describe()  # the cell or module line that did it, where it was recorded
         raise LaunchConfigError(
             "CUDA is already initialised in this process, and forked children cannot use it (CUDA is not "
-            "fork-safe). Use start_method='spawn' (or 'forkserver'), or restart the kernel and keep CUDA "
-            "calls inside the launched function."
+            "fork-safe). "
+            + (
+                f"{label_traceback(where)}, or pass start_method='spawn' (or 'forkserver')."
+                if where
+                else "Use start_method='spawn' (or 'forkserver'), or restart the kernel and keep CUDA "
+                "calls inside the launched function."
+            )
         )
 
 

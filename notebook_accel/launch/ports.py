@@ -53,9 +53,12 @@ def reserve(addr: str = "127.0.0.1") -> int:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.set_inheritable(False)  # spawned ranks and the forkserver never see it
         s.bind((addr, 0))
-    except OSError:
+    except OSError:  # an address that is not this machine's: hold the port on every interface
         s.close()
-        return free_port(addr)  # an address this process cannot bind: torch will say so at the bind
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.set_inheritable(False)
+        s.bind(("", 0))
     port = s.getsockname()[1]
     with _lock:
         _held[port] = s

@@ -77,6 +77,18 @@ def test_bad_gpu_ids_are_named_before_anything_starts(four_gpus, kwargs, named):
 
 
 @pytest.mark.timeout(30)
+def test_the_configs_gpu_ids_apply_unless_the_launch_runs_on_the_cpu(four_gpus, monkeypatch, tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("distributed_type: MULTI_GPU\nnum_processes: 1\ngpu_ids: '2'\n")
+    monkeypatch.setenv("NOTEBOOK_ACCEL_CONFIG_FILE", str(path))
+    assert make_plan(use_port="auto").env["CUDA_VISIBLE_DEVICES"] == "2"
+    on_cpu = make_plan(num_processes=2, cpu=True)  # an explicit cpu=True wins over the file's devices
+    assert "CUDA_VISIBLE_DEVICES" not in on_cpu.env and on_cpu.num_processes == 2
+    with pytest.raises(LaunchConfigError, match="gpu_ids='3' chooses accelerator devices, but cpu=True"):
+        make_plan(num_processes=2, cpu=True, gpu_ids="3")  # both given here: a contradiction
+
+
+@pytest.mark.timeout(30)
 def test_gpu_ids_without_an_accelerator_say_so():
     with pytest.raises(LaunchConfigError, match=r"gpu_ids='0' but no accelerator is detected here \(CPU only\)"):
         make_plan(num_processes=2, gpu_ids="0")

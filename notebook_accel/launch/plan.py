@@ -141,6 +141,8 @@ def make_plan(
     )
     rdzv_backend, max_restarts, debug, gpu_ids = (chosen[name] for name in _CONFIGURABLE[7:])
     cpu = bool(cpu)
+    if cpu and arguments["gpu_ids"] is None:
+        gpu_ids = None  # the config's device choice does not apply to a launch on the CPU
     master_addr = None if master_addr is None else str(master_addr)
     rdzv_backend = str(rdzv_backend)
     if start_method not in START_METHODS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from .utils import cuda_init as _cuda_init
 from .utils import current as _current
 from .utils.lazy import lazy_exports
 from .utils.version import __version__
@@ -83,6 +84,8 @@ def _machine():
 _current.register_state_provider(_state)
 _current.register_accelerator_state_provider(_accelerator_state)
 _current.register_machine_provider(_machine)
+# From here on, the line that first initialises CUDA is recorded: a refused fork launch names it.
+_cuda_init.install()
 
 if "ipykernel" in sys.modules:  # in a kernel: launches get the live panel and `Cell In[N]` labels
     from .jupyter import register_frontend

@@ -198,15 +198,19 @@ def test_config_makes_notebook_launcher_start_two_cpu_ranks(config_file):
     assert notebook_launcher(os.getpid, num_processes=1, use_port="auto") == [os.getpid()]
 
 
-def test_gpu_ids_restrict_the_visible_devices_of_each_family():
+def test_gpu_ids_restrict_the_visible_devices_of_each_family(monkeypatch):
     from notebook_accel.launch import LaunchConfigError
     from notebook_accel.launch.plan import _visible_devices
 
-    assert _visible_devices("cuda", "0,2", 4) == ("CUDA_VISIBLE_DEVICES", "0,2")
-    assert _visible_devices("xpu", "1", 2) == ("ZE_AFFINITY_MASK", "1")
-    assert _visible_devices("cuda", "all", 4) is None and _visible_devices(None, "0", 0) is None
+    for name in ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK"):
+        monkeypatch.delenv(name, raising=False)
+    assert _visible_devices("cuda", "0,2", 4, False) == ("CUDA_VISIBLE_DEVICES", "0,2")
+    assert _visible_devices("xpu", "1", 2, False) == ("ZE_AFFINITY_MASK", "1")
+    assert _visible_devices("cuda", "all", 4, False) is None and _visible_devices(None, None, 0, False) is None
     with pytest.raises(LaunchConfigError, match="devices here are 0..1"):
-        _visible_devices("cuda", "0,5", 2)
+        _visible_devices("cuda", "0,5", 2, False)
+    with pytest.raises(LaunchConfigError, match="no accelerator is detected here"):
+        _visible_devices(None, "0", 0, False)
 
 
 def test_default_config_uses_every_gpu_or_one_cpu_process():

@@ -75,8 +75,10 @@ def test_busy_explicit_port_is_named_and_auto_is_free():
         for auto in ("auto", "AUTO", "0", 0):
             chosen = plan(use_port=auto).master_port
             assert 1 <= chosen <= 65535 and chosen != port
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", chosen))  # free, so a rank can listen on it
+            with socket.socket() as probe:  # free for a rank's store, which binds as this does
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(("127.0.0.1", chosen))
+                probe.listen()
 
 
 def test_explicit_free_port_is_kept():
@@ -85,6 +87,31 @@ def test_explicit_free_port_is_kept():
         port = s.getsockname()[1]
     assert plan(use_port=str(port)).master_port == port
     assert plan(use_port=port).master_port == port
+
+
+def test_without_a_port_one_machine_picks_a_free_one_and_holds_it_until_dropped(no_config):
+    import gc
+
+    p = make_plan(num_processes=2, cpu=True)
+    port = p.master_port
+    assert p.port_held and port != 29500
+    with socket.socket() as other:  # another program binding that port, in the moment before rank 0 does
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+    del p
+    gc.collect()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))  # a plan dropped unlaunched lets go of its port
+
+
+def test_an_explicit_port_and_a_multi_node_endpoint_are_kept_as_given(no_config):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    explicit = make_plan(num_processes=2, use_port=port)
+    assert (explicit.master_port, explicit.port_held) == (port, False)
+    nodes = make_plan(num_processes=1, num_nodes=2, master_addr="10.0.0.7")  # every node must agree
+    assert (nodes.master_port, nodes.port_held) == (29500, False)
 
 
 # -- what a good plan holds ----------------------------------------------------------------

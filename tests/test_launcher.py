@@ -37,6 +37,7 @@ from notebook_accel.launch import (
     debug_launcher,
     notebook_launcher,
 )
+from notebook_accel.launch.ports import held as held_ports
 from notebook_accel.utils.dataclasses import DistributedType
 
 SLOW_RANK_S = 20.0  # a rank that is not stopped sleeps this long, then leaves its marker file
@@ -449,6 +450,67 @@ def test_busy_explicit_port_is_named_before_any_process_starts(no_orphans):
     assert str(port) in str(info.value) and "use_port='auto'" in str(info.value)
     assert sink.events == []
     no_orphans(wait_s=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_launch_without_a_port_runs_while_29500_is_held(no_orphans):
+    with socket.socket() as held:
+        try:
+            held.bind(("127.0.0.1", 29500))
+            held.listen()
+        except OSError:  # something else on this machine holds it already: the same situation
+            pass
+        results = notebook_launcher(targets.rank_info, num_processes=2, cpu=True, sinks=[ListSink()])
+    ports = {r["master_port"] for r in results}
+    assert len(ports) == 1 and 29500 not in ports
+    assert [r["rank"] for r in results] == [0, 1]
+    assert not ports & held_ports()  # the launch let go of the port it picked
+    no_orphans()
+
+
+TWO_AT_ONCE = """\
+import os, sys, time
+from notebook_accel import notebook_launcher
+from notebook_accel.launch import ListSink
+
+def meet(mine, other):
+    import torch, torch.distributed as dist
+    from notebook_accel.state import PartialState
+
+    state = PartialState()
+    open(f"{mine}.{state.process_index}", "w").close()  # this launch's ranks are up
+    deadline = time.monotonic() + 40
+    while not os.path.exists(f"{other}.{state.process_index}"):  # ... and so are the other's
+        assert time.monotonic() < deadline, "the other launch never came up"
+        time.sleep(0.05)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return int(os.environ["MASTER_PORT"]), total.item()
+
+print("RESULT", notebook_launcher(meet, args=(sys.argv[1], sys.argv[2]), num_processes=2, cpu=True,
+                                  sinks=[ListSink()]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_two_launches_at_once_without_a_port_both_run(tmp_path):
+    import ast
+    import subprocess
+    import sys
+
+    script = tmp_path / "launch.py"
+    script.write_text(TWO_AT_ONCE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    procs = [
+        subprocess.Popen([sys.executable, str(script), mine, other], env=env, stdout=subprocess.PIPE, text=True)
+        for mine, other in ((a, b), (b, a))
+    ]
+    outs = [p.communicate(timeout=100)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    results = [ast.literal_eval(out.split("RESULT ", 1)[1]) for out in outs]
+    assert all(r[0] == r[1] and r[0][1] == 2.0 for r in results), results  # each launch is one world
+    assert results[0][0][0] != results[1][0][0]  # on two ports
 
 
 # -- the fork hang -----------------------------------------------------------------------------

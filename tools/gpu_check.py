@@ -118,6 +118,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
+# The line of FORK_CHILD that initialises CUDA: the refusal must name it (`python -c` calls it <string>).
+FORK_CULPRIT_LINE = FORK_CHILD.splitlines().index('torch.zeros(1, device="cuda")') + 1
+FORK_CULPRIT = f'File "<string>", line {FORK_CULPRIT_LINE}'
+
+
 def _child(code: str, *argv: str) -> dict:
     """Run `code` in a fresh interpreter (nothing initialised yet); return the JSON it prints last."""
     env = dict(os.environ)
@@ -207,6 +212,8 @@ def check_fork_refused(tmp: str) -> dict:
         problems.append(f"fork after CUDA init gave {fork.get('error') or 'no error'}, expected LaunchConfigError")
     elif not all(word in fork["message"] for word in ("spawn", "forkserver")):
         problems.append(f"the refusal does not name spawn and forkserver: {fork['message']!r}")
+    elif FORK_CULPRIT not in fork["message"] or "move that line into the launched function" not in fork["message"]:
+        problems.append(f"the refusal does not name the line that initialised CUDA ({FORK_CULPRIT}): {fork['message']!r}")
     if res["children_after_fork"]:
         problems.append(f"processes left after the refusal: {res['children_after_fork']}")
     if "results" in res["spawn"]:
@@ -219,7 +226,8 @@ def check_fork_refused(tmp: str) -> dict:
     if "error" in one:
         problems.append(f"one process after CUDA init was refused: {one['error']}: {one['message'][-300:]}")
     return verdict(
-        problems, "fork refused with LaunchConfigError naming spawn/forkserver; spawn then ran; no process left",
+        problems, "fork refused with LaunchConfigError naming the culprit line and spawn/forkserver; spawn then ran; "
+        "no process left",
         refusal=fork.get("message"), one_gpu_fallback=res["cpu"],
         one_process_default_after_cuda_init=one.get("error") or "ran in the caller",
     )  # fmt: skip

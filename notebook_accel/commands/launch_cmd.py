@@ -42,7 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--cpu", action="store_true", default=None, help="run on CPU processes even if accelerators exist"
     )
-    p.add_argument("--gpu_ids", default=None, help="devices to use, like 0,1 (default: all)")
+    p.add_argument(
+        "--gpu_ids", "--gpu-ids", dest="gpu_ids", default=None, help="devices to use, like 0,1 (default: all)"
+    )
     p.add_argument(
         "--debug", action="store_true", default=None, help="check collectives for mismatched shapes"
     )

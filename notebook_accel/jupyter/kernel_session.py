@@ -108,12 +108,12 @@ class _Session(Session):
 
 
 class KernelSession:
-    def __init__(self, shell, num_processes: int, start_method: str, mixed_precision, cpu, fsdp=None):
+    def __init__(self, shell, num_processes: int, start_method: str, mixed_precision, cpu, fsdp=None, gpu_ids=None):
         self.id = next(_ids)
         self.shell = shell
         self.queue = OutputQueue()
         self.session = _Session(
-            num_processes, start_method, mixed_precision, cpu, on_output=self._on_output, fsdp=fsdp
+            num_processes, start_method, mixed_precision, cpu, on_output=self._on_output, fsdp=fsdp, gpu_ids=gpu_ids
         )
         self.session.owner = self
         self.session.tick = self._pump
@@ -226,13 +226,15 @@ def _failure_text(replies: dict, failed: tuple, filename: str, label: str) -> st
 
 
 # -- %accelerate start/stop/... -------------------------------------------------------------------
-def start(shell, num_processes: int, start_method: str, mixed_precision, cpu, fsdp=None) -> KernelSession:
+def start(
+    shell, num_processes: int, start_method: str, mixed_precision, cpu, fsdp=None, gpu_ids=None
+) -> KernelSession:
     global _current
     if _current is not None:
         raise RuntimeError(
             f"a session with {_current.world} workers is running: %accelerate restart, or %accelerate stop first"
         )
-    ks = KernelSession(shell, num_processes, start_method, mixed_precision, cpu, fsdp)
+    ks = KernelSession(shell, num_processes, start_method, mixed_precision, cpu, fsdp, gpu_ids)
     ks.session.start()
     _current = ks
     _notify(ks)

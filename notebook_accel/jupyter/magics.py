@@ -30,6 +30,7 @@ LAUNCH_ONLY = (
     "rdzv_endpoint",
     "max_restarts",
     "port",
+    "gpu_ids",
 )
 
 
@@ -64,7 +65,8 @@ def cell_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=_int, default=None)
     p.add_argument("--rdzv-endpoint", default="", help="host:port where the nodes meet")
     p.add_argument("--max-restarts", type=_int, default=None)
-    p.add_argument("--port", default=None, help='the rendezvous port, or "auto"')
+    p.add_argument("--port", default=None, help='the rendezvous port (default: a free one)')
+    p.add_argument("--gpu-ids", default=None, help='the devices the ranks see, like "0,2" (default: all)')
     p.add_argument("--timeout", type=_seconds, default=None, help="stop every rank and fail after this long")
     p.add_argument("--out", type=_names, default=(), help="names to copy from rank 0 into the notebook")
     p.add_argument("--ranks", default=None, help='with a session: the ranks to run on ("0,2", "1:", "all")')
@@ -78,6 +80,7 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-precision", choices=PRECISIONS, default=None)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="FSDP on in the workers (settings from the config)")
+    p.add_argument("--gpu-ids", default=None, help='the devices the workers see, like "0,2" (default: all)')
     return p
 
 
@@ -90,6 +93,7 @@ def launch_kwargs(args: argparse.Namespace) -> dict:
         "node_rank": args.node_rank,
         "max_restarts": args.max_restarts,
         "use_port": args.port,
+        "gpu_ids": args.gpu_ids,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if args.rdzv_endpoint:
@@ -215,6 +219,7 @@ class AccelerateMagics(Magics):
                 args.mixed_precision,
                 True if args.cpu else None,
                 True if args.fsdp else None,
+                args.gpu_ids,
             )
         except (RuntimeError, LaunchConfigError) as exc:
             raise UsageError(f"%accelerate start: {exc}") from None

@@ -35,6 +35,7 @@ def notebook_launcher(
     sinks=None,
     timeout: Optional[float] = None,
     fsdp=None,
+    gpu_ids=None,
 ) -> list:
     """Run `function(*args)` on `num_processes` processes; return each local rank's return value.
 
@@ -47,6 +48,9 @@ def notebook_launcher(
     FSDP on in every rank (`Accelerator()` then shards with the plugin's FSDP_* settings), False turns
     it off whatever the config says, and a dict of accelerate's fsdp_config keys (`fsdp_auto_wrap_policy`,
     `fsdp_min_num_params`, ...) turns it on with those settings; None does as the config says.
+    `gpu_ids` ("0,2" or [0, 2]) chooses the devices the ranks see (CUDA_VISIBLE_DEVICES, or the
+    family's variable), checked against the devices here; None means the config's, else all. Without
+    `use_port`, a launch on one machine picks a free port (two notebooks never meet on 29500).
     """
     if not callable(function):
         raise TypeError(
@@ -71,6 +75,7 @@ def notebook_launcher(
         start_method=start_method,
         cpu=cpu,
         fsdp=fsdp,
+        gpu_ids=gpu_ids,
     )
     control = LaunchControl(timeout)
     for note in plan.notes:

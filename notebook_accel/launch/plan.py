@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import operator
 import os
-import socket
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from ..utils import families
+from . import ports
 from .errors import LaunchConfigError
+from .ports import free_port  # noqa: F401  (its old home: tests, tools and benchmarks import it here)
 
 START_METHODS = ("fork", "spawn", "forkserver")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
@@ -72,12 +74,18 @@ class LaunchPlan:
     log_line_prefix_template: Optional[str] = None
     threads_per_process: int = 1
     fsdp: bool = False  # the ranks build an FSDP plugin from FSDP_* (ACCELERATE_USE_FSDP is true)
+    port_held: bool = False  # master_port was picked here and is held until the launch ends (ports.py)
     notes: tuple = ()  # one-line messages the user should see (why a default was changed)
     env: dict = field(default_factory=dict)  # set in every child
 
     @property
     def world_size(self) -> int:
         return self.num_processes * self.num_nodes
+
+    @property
+    def chooses_devices(self) -> bool:
+        """gpu_ids chose the devices: the ranks get a visible-devices variable (so none runs here)."""
+        return any(name in self.env for name in _VISIBLE_ENV.values())
 
     @property
     def fsdp_settings(self) -> dict:
@@ -133,6 +141,8 @@ def make_plan(
     )
     rdzv_backend, max_restarts, debug, gpu_ids = (chosen[name] for name in _CONFIGURABLE[7:])
     cpu = bool(cpu)
+    if cpu and arguments["gpu_ids"] is None:
+        gpu_ids = None  # the config's device choice does not apply to a launch on the CPU
     master_addr = None if master_addr is None else str(master_addr)
     rdzv_backend = str(rdzv_backend)
     if start_method not in START_METHODS:
@@ -157,7 +167,7 @@ def make_plan(
     engine = choose_engine(family, num_nodes, max_restarts, rdzv_backend)
 
     devices = hardware.device_count(family) if family and families.family(family).rank_per_device else 0
-    visible = _visible_devices(family, gpu_ids, devices)
+    visible = _visible_devices(family, gpu_ids, devices, cpu)
     if visible:
         devices = len(visible[1].split(","))
     if num_processes is None:
@@ -182,7 +192,8 @@ def make_plan(
             "ranks from a fresh forkserver (start_method='forkserver'): the function and its arguments travel "
             "pickled, not inherited."
         )
-    if start_method == "fork" and not (engine == "local" and num_processes == 1):
+    # With gpu_ids, even one rank runs in a child: the variable must be set before its runtime starts.
+    if start_method == "fork" and not (engine == "local" and num_processes == 1 and not visible):
         _check_fork_is_safe()
     if engine == "elastic" and rdzv_backend == "static" and num_nodes > 1 and not master_addr:
         raise LaunchConfigError(
@@ -191,7 +202,15 @@ def make_plan(
 
     if rdzv_endpoint:
         _check_endpoint(rdzv_endpoint)
-    port = _resolve_port(use_port, master_addr, check_free=(engine == "local" and num_nodes == 1))
+    # One machine needs no agreed port: without an explicit one, a free one is picked and held
+    # (ports.py), so two notebooks on one machine never meet on 29500. Nodes keep the one they agree on.
+    one_machine = num_nodes == 1
+    port, port_held = ports.resolve(
+        use_port,
+        master_addr,
+        pick=is_default(use_port) and one_machine,
+        check_free=(engine == "local" and one_machine),
+    )
     threads = _threads_per_process(num_processes, start_method, notes)
 
     env = {
@@ -209,7 +228,7 @@ def make_plan(
         env[visible[0]] = visible[1]
     if start_method == "fork":
         env["FORK_LAUNCHED"] = "1"
-    return LaunchPlan(
+    plan = LaunchPlan(
         num_processes=num_processes,
         start_method=start_method,
         engine=engine,
@@ -229,7 +248,11 @@ def make_plan(
         fsdp=_fsdp_on(env),
         notes=tuple(notes),
         env=env,
+        port_held=port_held,
     )
+    if port_held:
+        weakref.finalize(plan, ports.release, port)  # a plan dropped unlaunched lets go of its port
+    return plan
 
 
 def choose_engine(family: Optional[str], num_nodes: int, max_restarts: int, rdzv_backend: str) -> str:
@@ -381,20 +404,54 @@ def _load_config(config_file):
 _VISIBLE_ENV = {f.name: f.visible_env for f in families.FAMILIES if f.visible_env}
 
 
-def _visible_devices(family, gpu_ids, devices: int):
-    """(variable, "0,2") for gpu_ids naming devices, or None for all of them (or no accelerator)."""
-    if gpu_ids is None or family is None or str(gpu_ids).strip().lower() == "all":
+def _visible_devices(family, gpu_ids, devices: int, cpu: bool):
+    """(variable, "0,2") for gpu_ids naming devices, or None for all of them. Indices count the
+    devices this process sees: where the variable is set here already, they pick from its list."""
+    if gpu_ids is None or (isinstance(gpu_ids, str) and gpu_ids.strip().lower() == "all"):
         return None
-    try:
-        ids = [int(p) for p in str(gpu_ids).split(",") if p.strip()]
-    except ValueError:
-        raise LaunchConfigError(f"gpu_ids={gpu_ids!r} must be 'all' or device indices like '0,1'.") from None
+    ids = _device_ids(gpu_ids)
+    if cpu:
+        raise LaunchConfigError(
+            f"gpu_ids={gpu_ids!r} chooses accelerator devices, but cpu=True runs every rank on the CPU: "
+            "leave gpu_ids out (or 'all'), or drop cpu=True."
+        )
+    if family is None:
+        raise LaunchConfigError(
+            f"gpu_ids={gpu_ids!r} but no accelerator is detected here (CPU only): leave gpu_ids out to run "
+            "on the CPU, or run where the devices are."
+        )
     if family not in _VISIBLE_ENV:
         raise LaunchConfigError(f"gpu_ids={gpu_ids!r} cannot select {family} devices; leave it at 'all'.")
     bad = [i for i in ids if not 0 <= i < devices]
-    if bad or not ids:
-        raise LaunchConfigError(f"gpu_ids={gpu_ids!r}: {family} devices here are 0..{devices - 1}.")
-    return _VISIBLE_ENV[family], ",".join(map(str, ids))
+    if bad:
+        seen = f"devices here are 0..{devices - 1}" if devices else "no device is visible here"
+        raise LaunchConfigError(f"gpu_ids={gpu_ids!r}: {family} {seen}; pass indices among them.")
+    variable = _VISIBLE_ENV[family]
+    inherited = [e.strip() for e in os.environ.get(variable, "").split(",") if e.strip()]
+    chosen = [inherited[i] if len(inherited) == devices else str(i) for i in ids]
+    return variable, ",".join(chosen)
+
+
+def _device_ids(gpu_ids) -> list:
+    """"0,2", 1 or [0, 2] -> [0, 2]; anything else is refused naming the value."""
+    try:
+        if isinstance(gpu_ids, bool):
+            raise ValueError
+        if isinstance(gpu_ids, (list, tuple)):
+            ids = [operator.index(i) for i in gpu_ids if not isinstance(i, bool)]
+            if len(ids) != len(gpu_ids):
+                raise ValueError
+        elif isinstance(gpu_ids, int):
+            ids = [gpu_ids]
+        else:
+            ids = [int(p) for p in str(gpu_ids).split(",") if p.strip()]
+    except (ValueError, TypeError):
+        raise LaunchConfigError(
+            f"gpu_ids={gpu_ids!r} must be 'all' or device indices like '0,1' (or [0, 1])."
+        ) from None
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise LaunchConfigError(f"gpu_ids={gpu_ids!r} must name distinct device indices >= 0, like '0,1'.")
+    return ids
 
 
 def _cuda_initialised() -> bool:
@@ -406,10 +463,19 @@ def _check_fork_is_safe() -> None:
     if sys.platform == "win32":
         raise LaunchConfigError("start_method='fork' is not available on Windows; use start_method='spawn'.")
     if _cuda_initialised():
+        from ..utils import cuda_init
+        from .frontend import label_traceback
+
+        where = cuda_init.describe()  # the cell or module line that did it, where it was recorded
         raise LaunchConfigError(
             "CUDA is already initialised in this process, and forked children cannot use it (CUDA is not "
-            "fork-safe). Use start_method='spawn' (or 'forkserver'), or restart the kernel and keep CUDA "
-            "calls inside the launched function."
+            "fork-safe). "
+            + (
+                f"{label_traceback(where)}, or pass start_method='spawn' (or 'forkserver')."
+                if where
+                else "Use start_method='spawn' (or 'forkserver'), or restart the kernel and keep CUDA "
+                "calls inside the launched function."
+            )
         )
 
 
@@ -423,41 +489,6 @@ def _check_endpoint(endpoint) -> None:
             f"rdzv_endpoint={endpoint!r} is not 'host:port' (for example '10.0.0.1:29400'): pass node 0's "
             "address and a port every node can reach."
         )
-
-
-def _resolve_port(use_port, master_addr: str, check_free: bool) -> int:
-    text = str(use_port).strip().lower()
-    if text in ("auto", "0", ""):
-        return free_port(master_addr or "127.0.0.1")
-    try:
-        port = int(text)
-    except ValueError:
-        raise LaunchConfigError(f"use_port={use_port!r} must be a port number or 'auto'.") from None
-    if not 1 <= port <= 65535:
-        raise LaunchConfigError(f"use_port={port} is outside 1..65535; pass a valid port or 'auto'.")
-    if check_free and not _is_free(port, master_addr or "127.0.0.1"):
-        raise LaunchConfigError(
-            f"Port {port} on {master_addr} is already in use (another launch or program holds it); "
-            "pass use_port='auto' to pick a free one, or another port."
-        )
-    return port
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def _is_free(port: int, addr: str) -> bool:
-    with socket.socket() as s:
-        # As torch's TCPStore binds: a port left in TIME_WAIT by the last launch is free, a listener is not.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
 
 
 def _threads_per_process(num_processes: int, start_method: str, notes: list) -> int:

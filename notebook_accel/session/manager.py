@@ -39,8 +39,10 @@ class Session:
         cpu: Optional[bool] = None,
         on_output: Optional[Callable] = None,
         fsdp=None,
+        gpu_ids=None,
     ):
         self.num_processes = num_processes
+        self.gpu_ids = gpu_ids  # the devices the workers see ("0,2"), as make_plan takes it
         self.start_method = start_method
         self.mixed_precision = mixed_precision
         self.cpu = cpu
@@ -49,6 +51,7 @@ class Session:
         self.on_output = on_output or print_output  # (rank, stream, text, transient), from a thread
         self.tick: Optional[Callable] = None  # called often in the waiting thread while calls wait
         self._pool: Optional[WorkerPool] = None
+        self._plan = None
         self._ids = itertools.count(1)
         self._cell_numbers = itertools.count(1)
 
@@ -92,6 +95,7 @@ class Session:
             start_method=self.start_method,
             cpu=self.cpu,
             fsdp=self.fsdp,
+            gpu_ids=self.gpu_ids,
             **ONE_MACHINE,
         )
         if plan.engine != "local":
@@ -101,12 +105,13 @@ class Session:
         pool = WorkerPool(lambda *line: self.on_output(*line))
         pool.open(plan, timeout)
         self._pool = pool
+        self._plan = plan  # holds the rendezvous port it picked while the workers live
         self.fsdp_on = plan.fsdp
         return self
 
     def stop(self) -> None:
         """Ask each worker to stop, then SIGTERM, then SIGKILL; returns when none is left."""
-        pool, self._pool = self._pool, None
+        pool, self._pool, self._plan = self._pool, None, None
         if pool is not None:
             pool.stop(STOP_GRACE_S, TERM_GRACE_S)
 

@@ -13,13 +13,14 @@ import importlib
 
 def starter_for(plan):
     """The module that starts `plan`: xla (xmp.spawn on a TPU host), elastic (torch's agent for
-    several nodes, restarts or a dynamic rendezvous), here (one process, in the caller), or local
+    several nodes, restarts or a dynamic rendezvous), here (one process, in the caller,
+    unless gpu_ids chose its device), or local
     (fork / spawn / forkserver, watched by our own monitor)."""
     if plan.engine == "xla":
         name = "xla"
     elif plan.engine == "elastic":
         name = "elastic"
-    elif plan.num_processes == 1 and plan.num_nodes == 1:
+    elif plan.num_processes == 1 and plan.num_nodes == 1 and not plan.chooses_devices:
         name = "here"
     else:
         name = "local"
@@ -27,4 +28,10 @@ def starter_for(plan):
 
 
 def run(plan, payload, sink, control) -> list:
-    return starter_for(plan).run(plan, payload, sink, control)
+    try:
+        return starter_for(plan).run(plan, payload, sink, control)
+    finally:
+        if plan.port_held:  # the ranks are gone: the port the plan picked is free for others again
+            from ..ports import release
+
+            release(plan.master_port)

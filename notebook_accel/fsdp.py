@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import platform
 import re
 import weakref
 
@@ -239,9 +241,12 @@ def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=()) ->
     ignored = ignored_parameters(model, plugin)
     if ignored:
         kwargs["ignored_params"] = ignored
+    on_cpu = all(p.device.type == "cpu" for _, _, p in slots)
     for module in wrapped:
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    if on_cpu:
+        return_freed_host_memory()
     for module, name, old in slots:
         new = module._parameters.get(name)
         if new is not None and new is not old:
@@ -267,6 +272,36 @@ def repoint_optimizer(optimizer, param_map: dict) -> None:
                     "cannot follow them into shards; prepare the model and the optimizer before the first step."
                 )
             params[i] = entry[1]
+
+
+# -- host memory ------------------------------------------------------------------------------------------
+# glibc malloc serves a request at or above M_MMAP_THRESHOLD with its own mmap, unmapped on free; smaller ones come
+# from heaps that keep freed memory. The threshold starts at 128 KiB but rises to the size of every mmapped chunk
+# freed (up to 32 MiB), so after the first step FSDP's per-step buffers (a block's unsharded parameters and
+# gradients, MiBs each) come from the heaps, which fragment and keep them: on CPU a sharded rank then held more
+# than a DDP rank. A fixed threshold (which also stops the rise) hands them back at each free; it costs a page
+# fault per page touched in those buffers every step (BENCHMARKS.md, FSDP).
+MMAP_THRESHOLD_ENV = "NOTEBOOK_ACCEL_MMAP_THRESHOLD"
+MMAP_THRESHOLD = 4 << 20
+_M_MMAP_THRESHOLD = -3
+
+
+def return_freed_host_memory(threshold=None) -> bool:
+    """Fix glibc's mmap threshold for this process (bytes: `threshold`, else NOTEBOOK_ACCEL_MMAP_THRESHOLD, else
+    MMAP_THRESHOLD; 0 leaves malloc alone) and trim what its heaps hold free now. Whether it was applied."""
+    if threshold is None:
+        threshold = int(os.environ.get(MMAP_THRESHOLD_ENV, MMAP_THRESHOLD))
+    if threshold <= 0 or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        applied = libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)) == 1
+        libc.malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        return False
+    return applied
 
 
 # -- the training step ----------------------------------------------------------------------------------

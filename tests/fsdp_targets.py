@@ -229,3 +229,40 @@ def save_full_model(folder):
     model = accelerator.prepare(make_mlp())
     accelerator.save_model(model, folder)
     return accelerator.save_state(folder + "/state")
+
+
+class WideBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(1024, 2048)
+        self.down = torch.nn.Linear(2048, 1024)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def host_memory_per_step(blocks=6, steps=6):
+    """FSDP (each WideBlock, then the root) with AdamW: this rank's RssAnon above a baseline taken
+    before the model exists, after each step, and the full model's size in bytes."""
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator(fsdp_plugin=_plugin(transformer_cls_names_to_wrap=["WideBlock"]))
+    base = _rss_anon()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[WideBlock() for _ in range(blocks)])
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = accelerator.prepare(model, opt)
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(accelerator.process_index))
+    after = []
+    for _ in range(steps):
+        accelerator.backward(model(x).square().mean())
+        opt.step()
+        opt.zero_grad()
+        after.append(_rss_anon() - base)
+    return {"after": after, "model_bytes": size}

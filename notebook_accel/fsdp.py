@@ -221,7 +221,9 @@ def _all_ignored(module, ignored: set) -> bool:
 # -- sharding -----------------------------------------------------------------------------------------
 def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=()) -> torch.nn.Module:
     """fully_shard each of `wrapped`, then the root. `param_map` records each replaced parameter
-    (id -> (weak reference, sharded parameter)); `optimizers` already prepared are re-pointed."""
+    (id -> (weak reference, sharded parameter)); `optimizers` (prepared, or in the same prepare call)
+    are re-pointed after each fully_shard, so each unsharded parameter is freed as its module is sharded
+    rather than the whole model staying beside its shards until the end."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if plugin.activation_checkpointing:
@@ -230,6 +232,11 @@ def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=()) ->
         for module in wrapped:
             checkpoint(module)
     slots = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
+    inner = [getattr(optimizer, "optimizer", optimizer) for optimizer in optimizers]
+    own = {id(p) for _, _, p in slots}
+    for optimizer in inner:  # refused before anything is sharded
+        if any(id(p) in own and optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(_stepped(optimizer))
     offload = plugin.cpu_offload
     kwargs = {
         "reshard_after_forward": plugin.reshard_after_forward,
@@ -242,18 +249,38 @@ def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=()) ->
     if ignored:
         kwargs["ignored_params"] = ignored
     on_cpu = all(p.device.type == "cpu" for _, _, p in slots)
-    for module in wrapped:
-        fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+    if on_cpu:  # before sharding too: freeing the unsharded parameters would raise the threshold at once
+        return_freed_host_memory()
+    slots = [(m, name, weakref.ref(p)) for m, name, p in slots]  # no strong reference past its sharding
+    for target in [*wrapped, model]:
+        fully_shard(target, **kwargs)
+        slots = _record_replaced(slots, param_map)
+        for optimizer in inner:
+            repoint_optimizer(optimizer, param_map)
     if on_cpu:
         return_freed_host_memory()
-    for module, name, old in slots:
-        new = module._parameters.get(name)
-        if new is not None and new is not old:
-            param_map[id(old)] = (weakref.ref(old), new)
-    for optimizer in optimizers:
-        repoint_optimizer(getattr(optimizer, "optimizer", optimizer), param_map)
     return model
+
+
+def _record_replaced(slots: list, param_map: dict) -> list:
+    """Record in `param_map` the slots whose parameter fully_shard replaced; return the others."""
+    left = []
+    for module, name, ref in slots:
+        old, new = ref(), module._parameters.get(name)
+        if old is None:
+            continue
+        if new is not None and new is not old:
+            param_map[id(old)] = (ref, new)
+        else:
+            left.append((module, name, ref))
+    return left
+
+
+def _stepped(optimizer) -> str:
+    return (
+        f"{type(optimizer).__name__} has already stepped on the unsharded parameters, so its state "
+        "cannot follow them into shards; prepare the model and the optimizer before the first step."
+    )
 
 
 def repoint_optimizer(optimizer, param_map: dict) -> None:
@@ -267,10 +294,7 @@ def repoint_optimizer(optimizer, param_map: dict) -> None:
             if entry is None or entry[0]() is not p:
                 continue
             if optimizer.state.get(p):
-                raise ValueError(
-                    f"{type(optimizer).__name__} has already stepped on the unsharded parameters, so its state "
-                    "cannot follow them into shards; prepare the model and the optimizer before the first step."
-                )
+                raise ValueError(_stepped(optimizer))
             params[i] = entry[1]
 
 

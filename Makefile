@@ -78,6 +78,7 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python benchmarks/step_overhead.py
 	$(BENCH_VENV)/bin/python benchmarks/offload.py
 	$(BENCH_VENV)/bin/python benchmarks/session.py
+	$(BENCH_VENV)/bin/python benchmarks/fsdp.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .venv-binder build dist *.egg-info extension/node_modules extension/lib \

@@ -130,6 +130,7 @@ class Accelerator(AcceleratorTools):
         self.flag_tensor = None
         self._models: list = []
         self._optimizers: list = []
+        self._pending_optimizers: list = []  # this prepare call's, not yet prepared: FSDP re-points them as it shards
         self._schedulers: list = []
         self._dataloaders: list = []
         self._custom_objects: list = []
@@ -190,11 +191,15 @@ class Accelerator(AcceleratorTools):
         elif len(device_placement) != len(args):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects.")
         out = list(args)
-        # Models and loaders first, then optimizers, then schedulers (they point at optimizers).
-        for kind in ("first", "optimizer", "scheduler"):
-            for i, obj in enumerate(args):
-                if _kind(obj) == kind:
-                    out[i] = self._prepare_one(obj, device_placement[i])
+        self._pending_optimizers = [obj for obj in args if _kind(obj) == "optimizer"]
+        try:
+            # Models and loaders first, then optimizers, then schedulers (they point at optimizers).
+            for kind in ("first", "optimizer", "scheduler"):
+                for i, obj in enumerate(args):
+                    if _kind(obj) == kind:
+                        out[i] = self._prepare_one(obj, device_placement[i])
+        finally:
+            self._pending_optimizers = []
         return out[0] if len(out) == 1 else tuple(out)
 
     def _prepare_one(self, obj, placement):
@@ -226,7 +231,8 @@ class Accelerator(AcceleratorTools):
                 model, self.mixed_precision, self.device, self.autocast_handler
             )
         if wrapped is not None and fsdp.sharding(self.state):
-            model = fsdp.shard_model(model, plugin, wrapped, self._fsdp_params, self._optimizers, self.device)
+            optimizers = [*self._optimizers, *self._pending_optimizers]
+            model = fsdp.shard_model(model, plugin, wrapped, self._fsdp_params, optimizers, self.device)
         model = model_wrapping.wrap_model(
             model, self.state, self.ddp_handler, self.dynamo_plugin, evaluation_mode=evaluation_mode
         )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import platform
 import re
 import weakref
 
@@ -230,8 +232,10 @@ def _all_ignored(module, ignored: set) -> bool:
 # -- sharding -----------------------------------------------------------------------------------------
 def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=(), device=None) -> torch.nn.Module:
     """fully_shard each of `wrapped`, then the root. `param_map` records each replaced parameter
-    (id -> (weak reference, sharded parameter)); `optimizers` already prepared are re-pointed.
-    With cpu_ram_efficient_loading the shards are built empty on `device` and filled from rank 0."""
+    (id -> (weak reference, sharded parameter)); `optimizers` (prepared, or in the same prepare call)
+    are re-pointed after each fully_shard, so each unsharded parameter is freed as its module is sharded
+    rather than the whole model staying beside its shards until the end. With cpu_ram_efficient_loading
+    the shards are built empty on `device` and filled from rank 0 (optimizers re-pointed after that)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if plugin.activation_checkpointing:
@@ -240,6 +244,11 @@ def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=(), de
         for module in wrapped:
             checkpoint(module)
     slots = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
+    inner = [getattr(optimizer, "optimizer", optimizer) for optimizer in optimizers]
+    own = {id(p) for _, _, p in slots}
+    for optimizer in inner:  # refused before anything is sharded
+        if any(id(p) in own and optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(_stepped(optimizer))
     offload = plugin.cpu_offload
     kwargs = {
         "reshard_after_forward": plugin.reshard_after_forward,
@@ -251,19 +260,49 @@ def shard_model(model, plugin, wrapped: list, param_map: dict, optimizers=(), de
     ignored = ignored_parameters(model, plugin)
     if ignored:
         kwargs["ignored_params"] = ignored
+    if plugin.cpu_ram_efficient_loading:
+        on_cpu = torch.device(device or "cpu").type == "cpu"
+    else:
+        on_cpu = all(p.device.type == "cpu" for _, _, p in slots)
+    if on_cpu:  # before sharding too: freeing the unsharded parameters would raise the threshold at once
+        return_freed_host_memory()
     from_rank0 = _take_rank0_weights(model) if plugin.cpu_ram_efficient_loading else None
-    for module in wrapped:
-        fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+    slots = [(m, name, weakref.ref(p)) for m, name, p in slots]  # no strong reference past its sharding
+    for target in [*wrapped, model]:
+        fully_shard(target, **kwargs)
+        if from_rank0 is None:  # with rank-0 loading the parameters are replaced once more, below
+            slots = _record_replaced(slots, param_map)
+            for optimizer in inner:
+                repoint_optimizer(optimizer, param_map)
     if from_rank0 is not None:
         _load_rank0_weights(model, device, *from_rank0)
-    for module, name, old in slots:
-        new = module._parameters.get(name)
-        if new is not None and new is not old:
-            param_map[id(old)] = (weakref.ref(old), new)
-    for optimizer in optimizers:
-        repoint_optimizer(getattr(optimizer, "optimizer", optimizer), param_map)
+        _record_replaced(slots, param_map)
+        for optimizer in inner:
+            repoint_optimizer(optimizer, param_map)
+    if on_cpu:
+        return_freed_host_memory()
     return model
+
+
+def _record_replaced(slots: list, param_map: dict) -> list:
+    """Record in `param_map` the slots whose parameter fully_shard replaced; return the others."""
+    left = []
+    for module, name, ref in slots:
+        old, new = ref(), module._parameters.get(name)
+        if old is None:
+            continue
+        if new is not None and new is not old:
+            param_map[id(old)] = (ref, new)
+        else:
+            left.append((module, name, ref))
+    return left
+
+
+def _stepped(optimizer) -> str:
+    return (
+        f"{type(optimizer).__name__} has already stepped on the unsharded parameters, so its state "
+        "cannot follow them into shards; prepare the model and the optimizer before the first step."
+    )
 
 
 # -- cpu_ram_efficient_loading: only rank 0 holds the real weights -----------------------------------
@@ -331,11 +370,38 @@ def repoint_optimizer(optimizer, param_map: dict) -> None:
             if entry is None or entry[0]() is not p:
                 continue
             if optimizer.state.get(p):
-                raise ValueError(
-                    f"{type(optimizer).__name__} has already stepped on the unsharded parameters, so its state "
-                    "cannot follow them into shards; prepare the model and the optimizer before the first step."
-                )
+                raise ValueError(_stepped(optimizer))
             params[i] = entry[1]
+
+
+# -- host memory ------------------------------------------------------------------------------------------
+# glibc malloc serves a request at or above M_MMAP_THRESHOLD with its own mmap, unmapped on free; smaller ones come
+# from heaps that keep freed memory. The threshold starts at 128 KiB but rises to the size of every mmapped chunk
+# freed (up to 32 MiB), so after the first step FSDP's per-step buffers (a block's unsharded parameters and
+# gradients, MiBs each) come from the heaps, which fragment and keep them: on CPU a sharded rank then held more
+# than a DDP rank. A fixed threshold (which also stops the rise) hands them back at each free; it costs a page
+# fault per page touched in those buffers every step (BENCHMARKS.md, FSDP).
+MMAP_THRESHOLD_ENV = "NOTEBOOK_ACCEL_MMAP_THRESHOLD"
+MMAP_THRESHOLD = 4 << 20
+_M_MMAP_THRESHOLD = -3
+
+
+def return_freed_host_memory(threshold=None) -> bool:
+    """Fix glibc's mmap threshold for this process (bytes: `threshold`, else NOTEBOOK_ACCEL_MMAP_THRESHOLD, else
+    MMAP_THRESHOLD; 0 leaves malloc alone) and trim what its heaps hold free now. Whether it was applied."""
+    if threshold is None:
+        threshold = int(os.environ.get(MMAP_THRESHOLD_ENV, MMAP_THRESHOLD))
+    if threshold <= 0 or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        applied = libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)) == 1
+        libc.malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        return False
+    return applied
 
 
 # -- the training step ----------------------------------------------------------------------------------

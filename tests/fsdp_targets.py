@@ -270,3 +270,57 @@ def save_full_model(folder):
     model = accelerator.prepare(make_mlp())
     accelerator.save_model(model, folder)
     return accelerator.save_state(folder + "/state")
+
+
+class WideBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(1024, 2048)
+        self.down = torch.nn.Linear(2048, 1024)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def host_memory_per_step(blocks=6, steps=6):
+    """FSDP (each WideBlock, then the root) with AdamW built before prepare: this rank's RssAnon above
+    a baseline taken before the model exists, at its peak during prepare (sampled every 1 ms) and
+    after each step, and the full model's size in bytes."""
+    import threading
+
+    from torch.distributed.fsdp import fully_shard
+
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator(fsdp_plugin=_plugin(transformer_cls_names_to_wrap=["WideBlock"]))
+    fully_shard(torch.nn.Linear(2, 2))  # torch's imports and device mesh: not counted
+    base = _rss_anon()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[WideBlock() for _ in range(blocks)])
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    peak, done = [_rss_anon()], threading.Event()
+
+    def sample():
+        while not done.wait(0.001):
+            peak[0] = max(peak[0], _rss_anon())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    model, opt = accelerator.prepare(model, opt)
+    done.set()
+    sampler.join()
+    prepare_peak = max(peak[0], _rss_anon()) - base
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(accelerator.process_index))
+    after = []
+    for _ in range(steps):
+        accelerator.backward(model(x).square().mean())
+        opt.step()
+        opt.zero_grad()
+        after.append(_rss_anon() - base)
+    return {"after": after, "model_bytes": size, "prepare_peak": prepare_peak}

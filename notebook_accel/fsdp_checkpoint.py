@@ -26,7 +26,7 @@ import torch
 from . import checkpointing
 from .serialization import CheckpointError
 from .utils.checkpoint_files import find_checkpoint
-from .utils.dcp_plain import PlainLoadPlanner, PlainReader
+from .utils.dcp_plain import PlainLoadPlanner, PlainReader, one_process_quietly
 from .utils.random import capture_rng_states, restore_rng_states
 
 logger = logging.getLogger(__name__)
@@ -174,9 +174,11 @@ def _write_sharded(folder: str, weights: list, optims: list) -> None:
 
     # Under "model" / "optimizer", as accelerate writes them (its merge_fsdp_weights reads these folders).
     for i, state in enumerate(weights):
-        dcp.save({"model": state}, checkpoint_id=os.path.join(folder, f"{MODEL_FOLDER}_{i}"))
+        with one_process_quietly():
+            dcp.save({"model": state}, checkpoint_id=os.path.join(folder, f"{MODEL_FOLDER}_{i}"))
     for i, state in enumerate(optims):
-        dcp.save({"optimizer": state}, checkpoint_id=os.path.join(folder, f"{OPTIMIZER_FOLDER}_{i}"))
+        with one_process_quietly():
+            dcp.save({"optimizer": state}, checkpoint_id=os.path.join(folder, f"{OPTIMIZER_FOLDER}_{i}"))
 
 
 def _check_shared_folder(output_dir: str) -> None:
@@ -341,12 +343,14 @@ def _load_sharded(folder: str, models: list, owners: list, optimizers: list, str
     for i, model in enumerate(models):
         state = {"model": get_model_state_dict(model)}  # this rank's shards, filled in place
         path = os.path.join(folder, f"{MODEL_FOLDER}_{i}")
-        dcp.load(state, storage_reader=PlainReader(path), planner=PlainLoadPlanner())
+        with one_process_quietly():
+            dcp.load(state, storage_reader=PlainReader(path), planner=PlainLoadPlanner())
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
     for i, (model, optimizer) in enumerate(zip(owners, optimizers)):
         state = {"optimizer": get_optimizer_state_dict(model, _inner(optimizer))}
         path = os.path.join(folder, f"{OPTIMIZER_FOLDER}_{i}")
-        dcp.load(state, storage_reader=PlainReader(path), planner=PlainLoadPlanner())
+        with one_process_quietly():
+            dcp.load(state, storage_reader=PlainReader(path), planner=PlainLoadPlanner())
         set_optimizer_state_dict(model, _inner(optimizer), state["optimizer"])
 
 

@@ -8,6 +8,7 @@ non-tensor items with `torch.load(weights_only=False)`: either runs code a tampe
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -103,6 +104,15 @@ def PlainLoadPlanner():  # noqa: N802
     return _plain_planner_class()()
 
 
+@contextlib.contextmanager
+def one_process_quietly():
+    """torch.distributed.checkpoint warns that it assumes one process when no process group exists;
+    in a run of one process (or a merge) that is what we mean, so the warning only confuses."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def merge_fsdp_weights(
     checkpoint_dir: str,
     output_path: str,
@@ -146,8 +156,7 @@ def merge_fsdp_weights(
             for k, m in entries
             if isinstance(m, TensorStorageMetadata)
         }
-        with warnings.catch_warnings():  # torch warns that no_dist=True loads in one process: we asked for that
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        with one_process_quietly():
             dcp.load(merged, storage_reader=reader, planner=PlainLoadPlanner(), no_dist=True)
         # A folder save_state (or accelerate) wrote holds one top-level entry, "model": unwrap it.
         tops = {k.split(".", 1)[0] for k in merged}

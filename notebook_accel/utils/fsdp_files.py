@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .dcp_plain import PlainLoadPlanner, PlainReader
+from .dcp_plain import PlainLoadPlanner, PlainReader, one_process_quietly
 
 FSDP_MODEL_NAME = "pytorch_model_fsdp"
 OPTIMIZER_NAME = "optimizer"
@@ -68,7 +68,8 @@ def save_fsdp_model(
         if accelerator.process_index == 0:
             torch.save(state, os.path.join(output_dir, _indexed(FSDP_MODEL_NAME, model_index, ".bin")))
     else:
-        dcp.save({"model": state}, checkpoint_id=os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"))
+        with one_process_quietly():
+            dcp.save({"model": state}, checkpoint_id=os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"))
     _barrier(accelerator)
 
 
@@ -93,7 +94,8 @@ def load_fsdp_model(
         if os.path.basename(os.path.normpath(input_dir)) == f"{FSDP_MODEL_NAME}_{model_index}":
             folder = input_dir  # accelerate takes the folder itself too
         wrapped = {"model": get_model_state_dict(model)}
-        dcp.load(wrapped, storage_reader=PlainReader(folder), planner=PlainLoadPlanner())
+        with one_process_quietly():
+            dcp.load(wrapped, storage_reader=PlainReader(folder), planner=PlainLoadPlanner())
         state = wrapped["model"]
     result = set_model_state_dict(model, state, options=_options(full))
     _barrier(accelerator)
@@ -116,10 +118,11 @@ def save_fsdp_optimizer(
         if accelerator.process_index == 0:
             torch.save(state, os.path.join(output_dir, _indexed(OPTIMIZER_NAME, optimizer_index, ".bin")))
     else:
-        dcp.save(
-            {"optimizer": state},
-            checkpoint_id=os.path.join(output_dir, f"{OPTIMIZER_NAME}_{optimizer_index}"),
-        )
+        with one_process_quietly():
+            dcp.save(
+                {"optimizer": state},
+                checkpoint_id=os.path.join(output_dir, f"{OPTIMIZER_NAME}_{optimizer_index}"),
+            )
     _barrier(accelerator)
 
 
@@ -142,7 +145,8 @@ def load_fsdp_optimizer(
         if os.path.basename(os.path.normpath(input_dir)) == f"{OPTIMIZER_NAME}_{optimizer_index}":
             folder = input_dir
         wrapped = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(wrapped, storage_reader=PlainReader(folder), planner=PlainLoadPlanner())
+        with one_process_quietly():
+            dcp.load(wrapped, storage_reader=PlainReader(folder), planner=PlainLoadPlanner())
         state = wrapped["optimizer"]
     set_optimizer_state_dict(model, optimizer, state, options=_options(full))
     _barrier(accelerator)

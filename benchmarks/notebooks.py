@@ -48,9 +48,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--only", nargs="*", default=None, help="notebook names (stems) to run, default all")
     args = parser.parse_args()
     results = {}
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        if args.only and path.stem not in args.only:
+            continue
         runs = [run_once(path) for _ in range(args.repeat)]
         results[path.stem] = {
             "median_s": statistics.median(r["seconds"] for r in runs),

@@ -177,6 +177,7 @@ def test_fsdp_on_one_process_says_it_shards_nothing(monkeypatch, tmp_path):
     page = parts(hardware_widget())[0].value
     assert "<th>Distributed type</th><td>NO</td>" in page
     assert "on one process FSDP shards nothing: launch 2 or more to shard" in page
+    assert "<th>With num_processes=N</th><td>FSDP on gloo, N CPU processes</td>" in page
 
 
 def test_no_fsdp_row_without_fsdp(monkeypatch, tmp_path):
@@ -186,3 +187,9 @@ def test_no_fsdp_row_without_fsdp(monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # the ranks inherit this process's switch
     page = parts(hardware_widget())[0].value
     assert "<th>Distributed type</th><td>FSDP</td>" in page and "<th>FSDP</th><td>on (the plugin&#x27;s defaults: FSDP2" in page
+
+
+def test_one_process_without_fsdp_says_more_processes_give_multi_cpu(monkeypatch, tmp_path):
+    _config(monkeypatch, tmp_path, "distributed_type: NO\nuse_cpu: true\nnum_processes: 1\n")
+    page = parts(hardware_widget())[0].value
+    assert "<th>With num_processes=N</th><td>MULTI_CPU on gloo, N CPU processes</td>" in page

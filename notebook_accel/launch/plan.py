@@ -562,7 +562,8 @@ def launch_preview() -> Preview:
         # One process is the default without accelerators; say what asking for more gives.
         many = resolve_placement(LaunchEnv(world_size=2, local_world_size=2), None, cpu=True)
         how = "num_processes=N" if family in (None, "mps") else "num_processes=N, cpu=True"
-        rows.append((f"With {how}", f"{many.distributed_type} on {many.backend}, N CPU processes"))
+        kind_many = "FSDP" if plan.fsdp else str(many.distributed_type)
+        rows.append((f"With {how}", f"{kind_many} on {many.backend}, N CPU processes"))
     return Preview(rows, [note.removeprefix("notebook_accel: ") for note in plan.notes], None)
 
 

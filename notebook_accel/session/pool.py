@@ -42,6 +42,7 @@ class WorkerPool:
         self.cond = threading.Condition()
         self.workers: list = []
         self.pending: dict = {}
+        self.listening = False  # the channel's listener is open (the reader closes it after the hellos)
         self.dropped_frames = 0  # frames that failed their signature (their connection was closed)
         self.key = protocol.new_key()
         self.warm = None
@@ -62,13 +63,16 @@ class WorkerPool:
             self.port = listener.getsockname()[1]
             self.workers, self.warm = start_workers(plan, self.port, self.key)
             self.reader = Reader(self, listener, self.workers, self.key)  # owns the listener from here
+            self.listening = True
         except BaseException:
             listener.close()
             raise
         self.reader.start()
         try:
             ok = self.wait_until(
-                lambda: all(w.conn for w in self.workers) or any(w.dead for w in self.workers),
+                # Return only once nothing listens: the reader closes the listener after the last hello.
+                lambda: (all(w.conn for w in self.workers) and not self.listening)
+                or any(w.dead for w in self.workers),
                 time.monotonic() + timeout,
             )
             if not ok or not all(w.conn for w in self.workers):
@@ -245,6 +249,11 @@ class WorkerPool:
     def on_bad_frame(self) -> None:
         with self.cond:
             self.dropped_frames += 1
+            self.cond.notify_all()
+
+    def on_listener_closed(self) -> None:
+        with self.cond:
+            self.listening = False
             self.cond.notify_all()
 
     def on_dropped_connection(self) -> None:

@@ -103,6 +103,7 @@ class Reader(threading.Thread):
         self._unregister(self.listener)
         self.listener.close()
         self.listener = None
+        self.pool.on_listener_closed()
 
     def _accept(self) -> None:
         while self.listener is not None:  # every pending connection, then back to the selector

@@ -191,3 +191,23 @@ def tensors_to_return(megabytes: int) -> dict:
         "array": np.arange(10),
         "text": "x",
     }
+
+
+def xla_rank(tag: str) -> tuple:
+    """A TPU rank (tests/xla_standin): says its ordinal and returns it with its pid."""
+    import torch_xla.runtime as xr
+
+    print(f"ordinal {xr.global_ordinal()} {tag}")
+    print(f"to stderr {xr.global_ordinal()}", file=sys.stderr)
+    return xr.global_ordinal(), os.getpid()
+
+
+def xla_fail_on(failing: int, marker: str) -> None:
+    """Ordinal `failing` raises; the others would sleep, then leave a marker file, unless stopped."""
+    import torch_xla.runtime as xr
+
+    if xr.global_ordinal() == failing:
+        raise ValueError(f"ordinal {failing} gives up")
+    time.sleep(20.0)
+    with open(f"{marker}.{xr.global_ordinal()}", "w"):
+        pass

@@ -16,8 +16,13 @@ def children() -> dict:
 
 
 def long_lived_helpers() -> set:
-    # The warm forkserver stays up between launches by design; its ranks must not.
+    # The warm forkserver stays up between launches by design; its ranks must not. So does the
+    # resource tracker multiprocessing starts with its first spawned process (xmp.spawn's, TPU tests).
+    from multiprocessing import resource_tracker
+
     from notebook_accel.launch.warm import WarmServer
 
     server = WarmServer._instance
-    return {server.proc.pid} if server is not None and server.proc.poll() is None else set()
+    helpers = {server.proc.pid} if server is not None and server.proc.poll() is None else set()
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return helpers | ({tracker} if tracker else set())

@@ -84,33 +84,37 @@ def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
     os.close(out_fd)
     os.close(err_fd)
     ctrl = socket.socket(fileno=ctrl_fd)
-    code = 1
     try:
-        send_frame(ctrl, ("started", os.getpid()))
-        try:
-            _prepare_process(env, threads)
-            function, args = load()
-            result = function(*args)
-        except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
-            flush_output()
-            send_frame(ctrl, ("error", _error_report(exc)))
-            return 1
-        flush_output()
-        from .payload import dumps_result
-
-        try:
-            body, buffers = dumps_result(result)
-        except Exception as exc:
-            msg = f"the return value of rank {rank} ({type(result).__name__}) cannot be pickled: {exc}"
-            send_frame(ctrl, ("error", {"exc_type": "PicklingError", "message": msg, "traceback": ""}))
-            return 1
-        send_result(ctrl, body, buffers)
-        code = 0
+        return run_function(rank, ctrl, lambda: _prepare_process(env, threads), load)
     finally:
         flush_output()
         _destroy_group()
         ctrl.close()
-    return code
+
+
+def run_function(rank: int, ctrl: socket.socket, prepare, load) -> int:
+    """Say started, run `prepare()` then the loaded function, and report its result or error on
+    `ctrl`. Returns the exit code. (A TPU rank runs this inside xmp.spawn's process: xla.py.)"""
+    send_frame(ctrl, ("started", os.getpid()))
+    try:
+        prepare()
+        function, args = load()
+        result = function(*args)
+    except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
+        flush_output()
+        send_frame(ctrl, ("error", _error_report(exc)))
+        return 1
+    flush_output()
+    from .payload import dumps_result
+
+    try:
+        body, buffers = dumps_result(result)
+    except Exception as exc:
+        msg = f"the return value of rank {rank} ({type(result).__name__}) cannot be pickled: {exc}"
+        send_frame(ctrl, ("error", {"exc_type": "PicklingError", "message": msg, "traceback": ""}))
+        return 1
+    send_result(ctrl, body, buffers)
+    return 0
 
 
 def flush_output() -> None:

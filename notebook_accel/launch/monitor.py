@@ -14,6 +14,8 @@ from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, f
 
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_GRACE_S = 2.0  # after a rank exits, wait this long for a grandchild that still holds its stdout
+UNKNOWN_END = "its process ended without a result or an error, and its exit status went to xmp.spawn"
+GATE_GRACE_S = 5.0  # once every rank is done, wait this long for a gate (xmp.spawn) to say it is done
 
 
 class _Rank:
@@ -27,33 +29,61 @@ class _Rank:
 
 
 class Monitor:
-    def __init__(self, procs: list, plan, sink, warm=None, control=None):
+    def __init__(self, procs: list, plan, sink, warm=None, control=None, gate=None):
         self.plan = plan
         self.sink = sink
         self.warm = warm
         self.control = control
         self.stopped = ""  # why the launch was ended from outside, if it was
-        self.ranks = [_Rank(p, plan.node_rank * plan.num_processes + p.local_rank) for p in procs]
+        self.ranks: list = []
         self.sel = selectors.DefaultSelector()
         self.failures: list = []
         self.stop_sent_at: Optional[float] = None
         self.killed = False
         self.server_lost = False
-        for r in self.ranks:
-            for sock, kind in ((r.proc.out, "stdout"), (r.proc.err, "stderr"), (r.proc.ctrl, "ctrl")):
-                sock.setblocking(False)
-                self.sel.register(sock, selectors.EVENT_READ, (r, kind))
-            if r.proc.exit_fd is not None:
-                self.sel.register(r.proc.exit_fd, selectors.EVENT_READ, (r, "exit"))
+        for p in procs:
+            self._add(p)
+        # A gate hands over ranks as they appear (xmp.spawn's, starters/xla.py): `sock` is readable
+        # when one waits for `accept()`, `ended_r` once no more will come.
+        self.gate = gate
+        self.gate_open = gate is not None
+        self.all_done_at: Optional[float] = None
+        if gate is not None:
+            self.sel.register(gate.sock, selectors.EVENT_READ, (None, "gate"))
+            self.sel.register(gate.ended_r, selectors.EVENT_READ, (None, "gate_end"))
         if warm is not None:
             self.sel.register(warm.sock, selectors.EVENT_READ, (None, "warm"))
         if control is not None:
             self.sel.register(control.fileno(), selectors.EVENT_READ, (None, "control"))
 
+    def _add(self, proc) -> None:
+        r = _Rank(proc, self.plan.node_rank * self.plan.num_processes + proc.local_rank)
+        self.ranks.append(r)
+        for sock, kind in ((r.proc.out, "stdout"), (r.proc.err, "stderr"), (r.proc.ctrl, "ctrl")):
+            sock.setblocking(False)
+            self.sel.register(sock, selectors.EVENT_READ, (r, kind))
+        if r.proc.exit_fd is not None:
+            self.sel.register(r.proc.exit_fd, selectors.EVENT_READ, (r, "exit"))
+        if self.stop_sent_at is not None:  # came through the gate after the launch was stopped
+            r.proc.send_signal(signal.SIGKILL if self.killed else signal.SIGTERM)
+
+    def _running(self) -> bool:
+        if not all(r.done for r in self.ranks):
+            self.all_done_at = None
+            return True
+        if not self.gate_open or len(self.ranks) == self.gate.expected:
+            return False
+        # Every rank so far is done; more may still come through the gate, unless there were some
+        # (or the launch was stopped) and it has not closed within GATE_GRACE_S.
+        now = time.monotonic()
+        if self.all_done_at is None:
+            self.all_done_at = now
+        return not ((self.ranks or self.stop_sent_at) and now - self.all_done_at > GATE_GRACE_S)
+
     # -- main loop ----------------------------------------------------------------------------
     def run(self) -> list:
         try:
-            while not all(r.done for r in self.ranks):
+            while self._running():
                 self._step()
         finally:
             self.sel.close()
@@ -69,7 +99,7 @@ class Monitor:
                 key=lambda f: _is_peer_fallout({"exc_type": f.exc_type or "", "message": f.message}),
             )
             raise LaunchFailedError(ordered)
-        return [r.channel.load_result() for r in self.ranks]
+        return [r.channel.load_result() for r in sorted(self.ranks, key=lambda r: r.rank)]
 
     def _step(self) -> None:
         needs_polling = any(r.proc.exit_fd is None and not r.done for r in self.ranks)
@@ -80,6 +110,12 @@ class Monitor:
             r, kind = key.data
             if kind == "control":
                 self.control.drain()
+            elif kind == "gate":
+                for proc in self.gate.accept():
+                    self._add(proc)
+            elif kind == "gate_end":
+                self.sel.unregister(key.fileobj)
+                self.gate_open = False
             elif kind == "warm":
                 self.warm.pump()  # its end shows as warm.lost, handled below
             elif kind == "exit":
@@ -139,6 +175,8 @@ class Monitor:
             return
         if error is not None:
             failure = ev.RankFailed(r.rank, r.proc.pid, code, **error)
+        elif getattr(r.proc, "exit_unknown", False):
+            failure = ev.RankFailed(r.rank, r.proc.pid, None, message=UNKNOWN_END)
         else:
             failure = failure_from_exit(r.rank, r.proc.pid, code)
         if self.stop_sent_at is not None and error is not None and _is_peer_fallout(error):

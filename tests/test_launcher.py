@@ -26,6 +26,7 @@ from notebook_accel.launch import (
     LaunchConfigError,
     LaunchFailedError,
     LaunchFinished,
+    LaunchNotice,
     LaunchStarted,
     ListSink,
     RankFailed,
@@ -465,6 +466,53 @@ def test_a_launch_without_a_port_runs_while_29500_is_held(no_orphans):
     assert len(ports) == 1 and 29500 not in ports
     assert [r["rank"] for r in results] == [0, 1]
     assert not ports & held_ports()  # the launch let go of the port it picked
+    no_orphans()
+
+
+def _squatted_first(monkeypatch, squatter: socket.socket, times: int) -> list:
+    """ports.reserve hands out `squatter`'s port `times` times (another program took the picked port
+    before rank 0 could listen on it), then free ones. Returns the ports it handed out."""
+    from notebook_accel.launch import ports as ports_module
+
+    real, given = ports_module.reserve, []
+
+    def reserve(addr="127.0.0.1"):
+        port = squatter.getsockname()[1] if len(given) < times else real(addr)
+        given.append(port)
+        return port
+
+    monkeypatch.setattr(ports_module, "reserve", reserve)
+    return given
+
+
+@pytest.mark.timeout(120)
+def test_a_picked_port_taken_before_rank_0_listens_is_retried_with_another(monkeypatch, no_orphans):
+    sink = ListSink()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        given = _squatted_first(monkeypatch, squatter, times=1)
+        results = notebook_launcher(targets.rank_info, num_processes=2, cpu=True, sinks=[sink])
+    assert len(given) == 2 and given[0] != given[1]
+    assert [r["master_port"] for r in results] == [given[1], given[1]] and [r["rank"] for r in results] == [0, 1]
+    (notice,) = [e for e in sink.events if isinstance(e, LaunchNotice)]
+    assert f"port {given[0]} was taken" in notice.text and f"again on port {given[1]}" in notice.text
+    assert [e.ok for e in _events(sink, LaunchFinished)] == [False, True]
+    assert not set(given) & held_ports()
+    no_orphans()
+
+
+@pytest.mark.timeout(180)
+def test_port_retries_end_with_the_ranks_own_error(monkeypatch, no_orphans):
+    sink = ListSink()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        given = _squatted_first(monkeypatch, squatter, times=10)
+        with pytest.raises(LaunchFailedError, match="EADDRINUSE"):
+            notebook_launcher(targets.rank_info, num_processes=2, cpu=True, sinks=[sink])
+    assert len(given) == 3  # the pick and two retries
+    assert len(_events(sink, LaunchStarted)) == 3
     no_orphans()
 
 

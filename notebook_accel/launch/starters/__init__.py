@@ -8,7 +8,10 @@ signature, and a line in `starter_for`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+
+PORT_RETRIES = 2  # a picked port that another program took before rank 0 bound it: pick again, twice
 
 
 def starter_for(plan):
@@ -28,10 +31,44 @@ def starter_for(plan):
 
 
 def run(plan, payload, sink, control) -> list:
-    try:
-        return starter_for(plan).run(plan, payload, sink, control)
-    finally:
-        if plan.port_held:  # the ranks are gone: the port the plan picked is free for others again
-            from ..ports import release
+    from .. import events as ev
+    from ..errors import LaunchFailedError
 
-            release(plan.master_port)
+    for attempt in range(PORT_RETRIES + 1):
+        try:
+            return starter_for(plan).run(plan, payload, sink, control)
+        except LaunchFailedError as exc:
+            if attempt == PORT_RETRIES or not _port_was_taken(plan, exc):
+                raise
+            old, plan = plan.master_port, _with_new_port(plan)
+            sink.handle(
+                ev.LaunchNotice(
+                    f"port {old} was taken by another program before rank 0 could listen on it "
+                    f"(EADDRINUSE); launching again on port {plan.master_port}"
+                )
+            )
+        finally:
+            if plan.port_held:  # the ranks are gone: the port the plan picked is free for others again
+                from ..ports import release
+
+                release(plan.master_port)
+
+
+def _port_was_taken(plan, exc) -> bool:
+    """Rank 0 of a local launch on a port we picked could not listen there: someone else does."""
+    if not plan.port_held or plan.engine != "local":
+        return False
+    report = exc.reports.get(plan.node_rank * plan.num_processes)
+    text = f"{report.exc_type} {report.message}" if report is not None else ""
+    return "EADDRINUSE" in text and f"port: {plan.master_port}" in text
+
+
+def _with_new_port(plan):
+    import weakref
+
+    from .. import ports
+
+    port = ports.reserve(plan.master_addr)
+    fresh = dataclasses.replace(plan, master_port=port)
+    weakref.finalize(fresh, ports.release, port)
+    return fresh

@@ -14,6 +14,7 @@ CHECKS = [
     "hardware_report_leaves_cuda_uninitialised",
     "launcher_leaves_cuda_uninitialised",
     "fork_after_cuda_init_is_refused",
+    "results_arrive_on_cpu_and_gpu_ids_choose",
     "training_step_fp32",
     "training_step_bf16",
     "training_step_fp16",

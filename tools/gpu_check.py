@@ -37,6 +37,21 @@ import torch.distributed as dist
 from notebook_accel import PartialState
 
 
+def cuda_result():
+    # A rank's return value with CUDA tensors inside containers and a module: all must arrive on the CPU.
+    rank = PartialState().process_index
+    layer = torch.nn.Linear(2, 2).to("cuda:0")
+    with torch.no_grad():
+        layer.weight.fill_(rank)
+    return {"tensor": torch.arange(4.0, device="cuda:0") + rank, "nested": [(torch.ones(2, device="cuda:0"),)],
+            "module": layer}
+
+
+def visible_devices():
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "count": torch.cuda.device_count(),
+            "name": torch.cuda.get_device_name(0)}
+
+
 def rank_report():
     state = PartialState()
     total = torch.tensor([float(state.process_index + 1)], device=state.device)
@@ -114,6 +129,27 @@ out["spawn"] = attempt(num_processes=2, cpu=cpu, start_method="spawn")
 out["children_after_spawn"] = children()
 # One rank runs in this process, so nothing forks: it must run (a single-GPU notebook's case).
 out["one_process_default"] = attempt(num_processes=1)
+print("RESULT " + json.dumps(out))
+"""
+
+
+RESULTS_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from notebook_accel import notebook_launcher
+import _gpu_check_ranks as ranks
+
+cpu = torch.cuda.device_count() < 2
+results = notebook_launcher(ranks.cuda_result, num_processes=2, use_port="auto", cpu=cpu, timeout=float(sys.argv[2]))
+out = {"initialized_after_results": torch.cuda.is_initialized()}
+out["devices"] = sorted({str(t.device) for r in results
+                         for t in (r["tensor"], r["nested"][0][0], *r["module"].parameters())})
+out["values"] = [r["tensor"].tolist() for r in results] + [[r["module"].weight.sum().item()] for r in results]
+chosen = notebook_launcher(ranks.visible_devices, num_processes=1, gpu_ids="0", use_port="auto",
+                           timeout=float(sys.argv[2]))
+out["gpu_ids"] = chosen[0]
+out["initialized"] = torch.cuda.is_initialized()
 print("RESULT " + json.dumps(out))
 """
 
@@ -231,6 +267,22 @@ def check_fork_refused(tmp: str) -> dict:
         refusal=fork.get("message"), one_gpu_fallback=res["cpu"],
         one_process_default_after_cuda_init=one.get("error") or "ran in the caller",
     )  # fmt: skip
+
+
+def check_results_and_gpu_ids(tmp: str) -> dict:
+    res = _child(RESULTS_CHILD, tmp, str(LAUNCH_TIMEOUT_S))
+    problems = []
+    if res["initialized_after_results"] or res["initialized"]:
+        problems.append("CUDA tensors in the ranks' results initialised CUDA in the launching process")
+    if res["devices"] != ["cpu"]:
+        problems.append(f"result tensors arrived on {res['devices']}, expected only cpu")
+    if res["values"] != [[0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0], [0.0], [4.0]]:
+        problems.append(f"result values {res['values']}")
+    chosen = res["gpu_ids"]
+    if chosen["visible"] != "0" or chosen["count"] != 1:
+        problems.append(f"gpu_ids='0': the rank saw CUDA_VISIBLE_DEVICES={chosen['visible']!r}, {chosen['count']} device(s)")
+    return verdict(problems, "cuda:0 tensors, nested and in a module, arrived on the CPU without initialising CUDA "
+                   "here; gpu_ids='0' gave the rank exactly that device", gpu_ids=chosen)  # fmt: skip
 
 
 # -- 4: training steps in this process ------------------------------------------------------------
@@ -494,6 +546,7 @@ def main(argv=None) -> int:
             ("hardware_report_leaves_cuda_uninitialised", lambda: check_hardware_report(cuda)),
             ("launcher_leaves_cuda_uninitialised", needs_cuda(check_launcher, tmp)),
             ("fork_after_cuda_init_is_refused", needs_cuda(check_fork_refused, tmp)),
+            ("results_arrive_on_cpu_and_gpu_ids_choose", needs_cuda(check_results_and_gpu_ids, tmp)),
             # Everything below initialises CUDA in this process, so it comes after the fresh children.
             ("training_step_fp32", needs_cuda(check_training, "no", timings)),
             ("training_step_bf16", needs_cuda(check_training, "bf16", timings)),

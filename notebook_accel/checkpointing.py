@@ -278,6 +278,7 @@ def load_accelerator_state(
     strict: bool = True,
     load_model_func: Optional[Callable[[Any, dict, bool], Any]] = None,
     trust_pickled_objects: bool = False,
+    agree: Optional[Callable[[Callable[[], None]], None]] = None,
 ) -> dict:
     """Restore what `save_accelerator_state` wrote, RNG states included; returns a summary.
 
@@ -286,6 +287,8 @@ def load_accelerator_state(
     folder. `load_model_func(model, state_dict, strict)` replaces `model.load_state_dict` when given.
     Every file is read as plain data; one that needs full pickle (a registered object's own classes,
     say) is refused unless `trust_pickled_objects`, since unpickling runs the code a file names.
+    `agree(check)` runs the check that raises on problems; an FSDP run passes one that raises on
+    every rank when any rank found a problem, so none goes on into collectives alone.
     """
     folder = find_checkpoint(input_dir)
     if folder is None:
@@ -355,8 +358,11 @@ def load_accelerator_state(
         plan.append((what, dataloaders[i], read(_loader_file(i, process_index), what)))
     rng = read(f"{RNG_STATE_NAME}_{process_index}.pkl", f"random states of rank {process_index}")
 
-    if problems:
-        raise CheckpointError(_report(folder, "cannot be loaded", problems))
+    def check() -> None:
+        if problems:
+            raise CheckpointError(_report(folder, "cannot be loaded", problems))
+
+    (agree or (lambda run: run()))(check)
     failures = []
     for what, obj, state in plan:
         try:

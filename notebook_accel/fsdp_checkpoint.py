@@ -286,6 +286,8 @@ def load_state(accelerator, input_dir: Optional[str] = None, **kwargs) -> None:
         strict=strict and not new_rank,  # the ranks that were saved check the same files strictly
         load_model_func=load_model,
         trust_pickled_objects=trust,
+        # A rank's own files (RNG states, loader positions) can be unreadable on it alone.
+        agree=lambda check: _together("reading the checkpoint", check),
     )
     if kept_rng is not None:
         restore_rng_states(kept_rng)

@@ -288,3 +288,29 @@ def ddp_train_save(folder, steps=3):
     inner = opt.optimizer
     optim = {names[id(p)]: {k: v.clone() for k, v in inner.state[p].items()} for g in inner.param_groups for p in g["params"]}
     return {"saved": {k: v.clone() for k, v in plain.state_dict().items()}, "optim": optim}
+
+
+def load_with_one_rank_file_corrupt(folder, state_dict_type):
+    """Save, damage rank 1's own RNG file, load: what each rank's load_state raised (or "loaded"),
+    then a collective every rank must reach (none may be left waiting in the load's collectives)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    run = _setup(state_dict_type, seed=3)
+    accelerator = run[0]
+    _steps(*run, 0, 1)
+    accelerator.save_state(folder)
+    if accelerator.process_index == 1:
+        with open(os.path.join(folder, "random_states_1.pkl"), "wb") as f:
+            f.write(b"not a pickle")
+    dist.barrier()
+    try:
+        accelerator.load_state(folder)
+        outcome = "loaded"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return {"outcome": outcome, "after": total.item()}

@@ -143,6 +143,21 @@ def test_metadata_is_read_without_running_code(tmp_path, capsys):
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_a_file_one_rank_cannot_read_fails_the_load_on_every_rank(tmp_path, kind):
+    """Rank 1's own RNG file is damaged: both ranks raise, naming it, before rank 0 goes on into the
+    load's collectives alone (it would wait there for rank 1 forever, in a session)."""
+    from fsdp_checkpoint_targets import load_with_one_rank_file_corrupt
+
+    results = on_ranks(load_with_one_rank_file_corrupt, str(tmp_path / "ckpt"), kind)
+    for rank, result in enumerate(results):
+        assert result["outcome"].startswith("CheckpointError: reading the checkpoint failed:"), (rank, result)
+        assert "rank 1: CheckpointError" in result["outcome"] and "random_states_1.pkl" in result["outcome"]
+        assert "rank 0:" not in result["outcome"]
+        assert result["after"] == 2.0
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
 def test_a_sharded_checkpoint_needs_one_folder_every_rank_sees(tmp_path):
     from fsdp_checkpoint_targets import unshared_folders
 

@@ -47,6 +47,60 @@ def cuda_result():
             "module": layer}
 
 
+def fsdp_steps(offload):
+    # FSDP2 with and without cpu_offload on two GPUs: the same losses, shards on the CPU when offloaded.
+    import torch.nn.functional as F
+    from notebook_accel import Accelerator
+    from notebook_accel.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=offload, auto_wrap_policy="size_based_wrap",
+                                            min_num_params=1000)
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1 + accelerator.process_index))
+    x = x.to(accelerator.device)
+    losses = []
+    for _ in range(5):  # one batch, again and again: the loss must fall
+        loss = F.mse_loss(model(x), x)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    param = next(model.parameters())
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return {"rank": accelerator.process_index, "type": str(accelerator.distributed_type),
+            "param_device": str(local.device), "losses": losses}
+
+
+def ddp_bf16_hook():
+    # The BF16 communication hook (nccl only): gradients arrive rounded to bf16 after the all-reduce.
+    import torch.nn.functional as F
+    from notebook_accel import Accelerator
+    from notebook_accel.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16)
+    accelerator = Accelerator(kwargs_handlers=[handler])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1 + accelerator.process_index)).to(accelerator.device)
+    losses, rounded = [], []
+    for _ in range(3):
+        loss = F.mse_loss(model(x), x)
+        accelerator.backward(loss)
+        grad = model.module.weight.grad
+        rounded.append(bool(torch.equal(grad, grad.to(torch.bfloat16).to(grad.dtype))))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"rank": accelerator.process_index, "type": str(accelerator.distributed_type), "losses": losses,
+            "grads_bf16_rounded": rounded}
+
+
 def visible_devices():
     return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "count": torch.cuda.device_count(),
             "name": torch.cuda.get_device_name(0)}
@@ -150,6 +204,20 @@ chosen = notebook_launcher(ranks.visible_devices, num_processes=1, gpu_ids="0", 
                            timeout=float(sys.argv[2]))
 out["gpu_ids"] = chosen[0]
 out["initialized"] = torch.cuda.is_initialized()
+print("RESULT " + json.dumps(out))
+"""
+
+
+TWO_GPU_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from notebook_accel import notebook_launcher
+import _gpu_check_ranks as ranks
+
+run = lambda fn, *args: notebook_launcher(fn, args, num_processes=2, use_port="auto", timeout=float(sys.argv[2]))
+out = {"offload": run(ranks.fsdp_steps, True), "no_offload": run(ranks.fsdp_steps, False),
+       "bf16_hook": run(ranks.ddp_bf16_hook), "initialized": torch.cuda.is_initialized()}
 print("RESULT " + json.dumps(out))
 """
 
@@ -283,6 +351,33 @@ def check_results_and_gpu_ids(tmp: str) -> dict:
         problems.append(f"gpu_ids='0': the rank saw CUDA_VISIBLE_DEVICES={chosen['visible']!r}, {chosen['count']} device(s)")
     return verdict(problems, "cuda:0 tensors, nested and in a module, arrived on the CPU without initialising CUDA "
                    "here; gpu_ids='0' gave the rank exactly that device", gpu_ids=chosen)  # fmt: skip
+
+
+def check_two_gpus(tmp: str) -> dict:
+    """FSDP2 cpu_offload (#17) and the BF16 DDP communication hook (#16) need nccl between two GPUs:
+    nccl refuses two ranks on one GPU, and one process shards nothing and wraps no DDP."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return skip(f"needs 2 CUDA GPUs (nccl refuses two ranks on one GPU); {torch.cuda.device_count()} here")
+    res = _child(TWO_GPU_CHILD, tmp, str(LAUNCH_TIMEOUT_S))
+    problems = ["the launching process initialised CUDA"] if res["initialized"] else []
+    for r in res["offload"]:
+        if r["type"] != "FSDP" or r["param_device"] != "cpu":
+            problems.append(f"cpu_offload: rank {r['rank']} {r['type']}, shard on {r['param_device']} (expected FSDP, cpu)")
+    for r in res["no_offload"]:
+        if r["param_device"] != f"cuda:{r['rank']}":
+            problems.append(f"no offload: rank {r['rank']} shard on {r['param_device']}")
+    for a, b in zip(res["offload"], res["no_offload"]):
+        if any(abs(x - y) > 1e-4 * max(1.0, abs(y)) for x, y in zip(a["losses"], b["losses"])):
+            problems.append(f"rank {a['rank']}: losses with offload {a['losses']} differ from without {b['losses']}")
+        if not a["losses"][-1] < a["losses"][0]:
+            problems.append(f"rank {a['rank']}: the offloaded loss did not fall: {a['losses']}")
+    for r in res["bf16_hook"]:
+        if r["type"] != "MULTI_GPU" or not all(r["grads_bf16_rounded"]):
+            problems.append(f"BF16 hook: rank {r['rank']} {r['type']}, gradients bf16-rounded: {r['grads_bf16_rounded']}")
+    return verdict(problems, "FSDP2 cpu_offload keeps shards on the CPU and trains like no offload; the BF16 hook "
+                   "rounds all-reduced gradients to bf16", **res)  # fmt: skip
 
 
 # -- 4: training steps in this process ------------------------------------------------------------
@@ -547,6 +642,7 @@ def main(argv=None) -> int:
             ("launcher_leaves_cuda_uninitialised", needs_cuda(check_launcher, tmp)),
             ("fork_after_cuda_init_is_refused", needs_cuda(check_fork_refused, tmp)),
             ("results_arrive_on_cpu_and_gpu_ids_choose", needs_cuda(check_results_and_gpu_ids, tmp)),
+            ("fsdp_cpu_offload_and_bf16_hook_on_two_gpus", needs_cuda(check_two_gpus, tmp)),
             # Everything below initialises CUDA in this process, so it comes after the fresh children.
             ("training_step_fp32", needs_cuda(check_training, "no", timings)),
             ("training_step_bf16", needs_cuda(check_training, "bf16", timings)),

@@ -408,3 +408,34 @@ def test_parse_ranks():
         with pytest.raises(ValueError, match=words) as info:
             parse_ranks(bad, 4)
         assert repr(bad) in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_left_running_after_a_failure_are_named(lines, monkeypatch):
+    """Rank 1's cell raises while rank 0 waits in an all_reduce for it: rank 0 would wait for gloo's
+    30 minutes. The session says so once, naming both, while the cell still waits."""
+    from notebook_accel.session import manager
+
+    monkeypatch.setattr(manager, "STRANDED_NOTICE_S", 1.0)
+    told = []
+    with Session(2, cpu=True, on_output=lines) as s:
+        s.on_stranded = lambda failed, running: told.append((failed, running))
+        cell = DIST + "if dist.get_rank() == 1:\n    raise ValueError('rank 1 gives up')\ndist.all_reduce(torch.ones(1))"
+        with pytest.raises(SessionTimeout) as caught:
+            s.run_cell(cell, timeout=6)
+        assert told == [([1], [0])]
+        assert caught.value.replies[1].error["exc_type"] == "ValueError"
+    assert "they will not return" in manager.stranded_text([1], [0])
+
+
+@pytest.mark.timeout(60)
+def test_no_notice_when_every_rank_fails_or_none_waits(lines, monkeypatch):
+    from notebook_accel.session import manager
+
+    monkeypatch.setattr(manager, "STRANDED_NOTICE_S", 0.5)
+    told = []
+    with Session(2, cpu=True, on_output=lines) as s:
+        s.on_stranded = lambda failed, running: told.append((failed, running))
+        s.run_cell("import time\nraise ValueError('all give up')")
+        s.run_cell("import time, os\ntime.sleep(2 if os.environ['RANK'] == '0' else 0)")  # slow, nobody failed
+    assert told == []

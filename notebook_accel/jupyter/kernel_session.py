@@ -15,9 +15,11 @@ from collections import deque
 from typing import Optional
 
 from ..launch import frontend
+from ..launch.events import LaunchNotice
 from ..launch.sinks import Fanout
 from ..session import Session, SessionTimeout, WorkerDied, parse_ranks
 from ..session.cell_events import CellEvents
+from ..session.manager import stranded_text
 from . import cell_jobs
 
 PANEL_AFTER_S = 0.5  # a silent session cell shows its launch panel (with Stop) after this long
@@ -117,6 +119,7 @@ class KernelSession:
         )
         self.session.owner = self
         self.session.tick = self._pump
+        self.session.on_stranded = self._stranded
         self.cell: Optional[CellEvents] = None  # the running cell's events; main thread only
 
     @property
@@ -133,6 +136,11 @@ class KernelSession:
         for line in self.queue.take():
             cell.output(*line)
         cell.sink.poll()  # a quiet cell's panel appears once the cell has run a while
+
+    def _stranded(self, failed: list, running: list) -> None:
+        cell = self.cell
+        if cell is not None:  # the waiting (main) thread: the panel says it, as a launch's notice
+            cell.sink.handle(LaunchNotice(stranded_text(failed, running)))
 
     # -- a cell on the workers ------------------------------------------------------------------
     def run_cell(self, source: str, ranks=None, timeout: Optional[float] = None, out: tuple = ()) -> None:

@@ -19,6 +19,7 @@ from .pool import Request, WorkerPool, cell_reply
 from .processes import reap
 from .ranks import parse_ranks
 
+STRANDED_NOTICE_S = 10.0  # a rank failed a cell this long ago and others still run it: say so, once
 INTERRUPT_GRACE_S = 10.0  # after an interrupt: SIGINT again each second, SIGKILL after this long
 STOP_GRACE_S = 3.0  # a stop message, then SIGTERM, then after TERM_GRACE_S, SIGKILL
 TERM_GRACE_S = 2.0
@@ -50,6 +51,9 @@ class Session:
         self.fsdp_on = False  # whether the running workers have FSDP on (their plan's word)
         self.on_output = on_output or print_output  # (rank, stream, text, transient), from a thread
         self.tick: Optional[Callable] = None  # called often in the waiting thread while calls wait
+        # (failed ranks, ranks still running): a cell failed on some ranks STRANDED_NOTICE_S ago and
+        # the others still run it, perhaps waiting in a collective for the failed ones. None: a warning.
+        self.on_stranded: Optional[Callable] = None
         self._pool: Optional[WorkerPool] = None
         self._plan = None
         self._ids = itertools.count(1)
@@ -239,7 +243,8 @@ class Session:
 
     def _await(self, pool: WorkerPool, req: Request, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        done = pool.wait_until(req.finished, deadline, self.tick)  # KeyboardInterrupt: see _call
+        watch = _StrandedWatch(req, self.on_stranded or _warn_stranded, self.tick)
+        done = pool.wait_until(req.finished, deadline, watch.tick)  # KeyboardInterrupt: see _call
         if not done:
             killed = self._interrupt(pool, req)
             replies = {r: cell_reply(r, h) for r, (h, _) in sorted(req.replies.items())}
@@ -270,6 +275,46 @@ class Session:
         except KeyboardInterrupt:
             pass
         return killed
+
+
+class _StrandedWatch:
+    """While a request waits: once some ranks have answered with an error and others still run it
+    STRANDED_NOTICE_S later, tell `report(failed, running)`, once. A rank blocked in a collective
+    with a rank whose cell failed never returns by itself (gloo waits 30 minutes)."""
+
+    def __init__(self, req: Request, report: Callable, tick: Optional[Callable]):
+        self.req, self.report, self.inner = req, report, tick
+        self.first_failure: Optional[float] = None
+        self.told = False
+        self.step = 0
+
+    def tick(self) -> None:
+        if self.inner is not None:
+            self.inner()
+        if self.told:
+            return
+        failed = sorted(r for r, (header, _) in list(self.req.replies.items()) if not header.get("ok", True))
+        if not failed:
+            return
+        now = time.monotonic()
+        if self.first_failure is None:
+            self.first_failure = now
+        running = self.req.waiting()
+        if running and now - self.first_failure >= STRANDED_NOTICE_S:
+            self.told = True
+            self.report(failed, running)
+
+
+def stranded_text(failed: list, running: list) -> str:
+    return (
+        f"rank(s) {failed} failed this cell {STRANDED_NOTICE_S:g} s ago and rank(s) {running} still run it. If "
+        "they wait in a collective (all_reduce, barrier...) for the failed rank(s), they will not return: "
+        "interrupt the cell (Stop, or Ctrl-C / the kernel's interrupt); ranks that do not stop are killed."
+    )
+
+
+def _warn_stranded(failed: list, running: list) -> None:
+    print(f"notebook_accel session: {stranded_text(failed, running)}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

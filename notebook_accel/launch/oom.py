@@ -22,16 +22,24 @@ class MemoryCgroup:
     dirs: tuple
     version: int
 
+    def _limits(self) -> list:
+        name = "memory.limit_in_bytes" if self.version == 1 else "memory.max"
+        return [_read_int(os.path.join(d, name)) for d in self.dirs]  # None: "max", or no file (root)
+
     def limit(self) -> Optional[int]:
         """The smallest limit on the way to the root (limits are hierarchical), None if there is none."""
-        files = ("memory.limit_in_bytes",) if self.version == 1 else ("memory.max",)
-        limits = [v for d in self.dirs for v in (_read_int(os.path.join(d, f)) for f in files) if v]
+        limits = [v for v in self._limits() if v]
         return min(limits) if limits else None
 
     def counters(self) -> dict:
-        """{folder: (oom kills, or None where the kernel does not count them; limit hits)}."""
+        """{folder: (oom kills, or None where the kernel does not count them; limit hits)} for its
+        own folder and those up to the one whose limit binds: a kill in a wider cgroup (a sibling's
+        OOM under a shared parent) says nothing about this one."""
+        limits = self._limits()
+        known = [v for v in limits if v]
+        upto = limits.index(min(known)) if known else 0
         out = {}
-        for d in self.dirs:
+        for d in self.dirs[: upto + 1]:
             if self.version == 1:
                 out[d] = (
                     _field(os.path.join(d, "memory.oom_control"), "oom_kill"),

@@ -2,6 +2,11 @@
 and ranks, alternating blocks in one run (and accelerate's Accelerator when it is installed).
 
     python benchmarks/step_overhead.py [--ranks 2] [--rounds 12] [--steps 40] [--json PATH]
+    python benchmarks/step_overhead.py --panel [--pairs 4]    # the launch panel on vs off
+
+--panel: launches alternate between "on" (a LaunchPanel sink redrawing 10 times a second, and the
+launcher sampling every rank's resources once a second) and "off" (console sink, no sampling), so
+what a live panel costs the ranks shows as the ratio of their step times.
 """
 
 from __future__ import annotations
@@ -117,6 +122,39 @@ def run(rounds: int, steps: int, with_accelerate: bool):
     return blocks
 
 
+def panel_ab(args) -> dict:
+    """Median step time per launch, panel on and off, launches alternating (off first)."""
+    from notebook_accel import notebook_launcher
+    from notebook_accel.jupyter.panel import LaunchPanel
+    from notebook_accel.launch import ConsoleSink, resources
+
+    sampling = resources.INTERVAL_S
+    medians = {"off": [], "on": []}
+    for pair in range(args.pairs):
+        for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
+            resources.INTERVAL_S = sampling if mode == "on" else float("inf")
+            sink = LaunchPanel(show=False) if mode == "on" else ConsoleSink()
+            cpu, wall = time.process_time(), time.perf_counter()  # the parent's CPU: what it could take from ranks
+            results = notebook_launcher(run, (args.rounds, args.steps, False), num_processes=args.ranks,
+                                        use_port="auto", start_method="forkserver", sinks=[sink])  # fmt: skip
+            sink.close()
+            row = {k: statistics.median(v) for k, v in results[0].items() if v}
+            row["parent_cpu"] = (time.process_time() - cpu) / (time.perf_counter() - wall)
+            medians[mode].append(row)
+    resources.INTERVAL_S = sampling
+    print(f"\nPanel on vs off, {args.ranks} ranks, {args.pairs} pairs of launches, each {args.rounds} blocks "
+          f"of {args.steps} steps (median over launches of the median ms/step, rank 0):\n")  # fmt: skip
+    print("| loop | panel off | panel on | ratio on / off |\n|---|---|---|---|")
+    for loop in ("ddp", "ours"):
+        off = statistics.median(m[loop] for m in medians["off"])
+        on = statistics.median(m[loop] for m in medians["on"])
+        print(f"| {loop} | {off * 1e3:.3f} | {on * 1e3:.3f} | {on / off:.3f} |")
+    cpu = {mode: statistics.median(m["parent_cpu"] for m in medians[mode]) for mode in medians}
+    print(f"\nThe launching process's CPU while the ranks train (% of one core): off {cpu['off'] * 100:.2f}, "
+          f"on {cpu['on'] * 100:.2f}")  # fmt: skip
+    return medians
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
@@ -124,7 +162,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--no-accelerate", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--panel", action="store_true", help="the launch panel on vs off, alternating launches")
+    parser.add_argument("--pairs", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.panel:
+        medians = panel_ab(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": args.ranks, "panel": medians}, f, indent=2)
+        return 0
     from notebook_accel import notebook_launcher
 
     results = notebook_launcher(run, (args.rounds, args.steps, not args.no_accelerate),

@@ -148,7 +148,8 @@ def _server_env(base: Path) -> dict:
 
     JUPYTER_DATA_DIR only replaces the *user* data dir: the venv's share/jupyter (the python3 kernelspec
     from ipykernel, the prebuilt @jupyter-widgets labextension) stays on the search path, because the
-    server runs from this interpreter. JUPYTER_PATH, which would come before it, is dropped.
+    server runs from this interpreter. JUPYTER_PATH, which would come before it, is dropped, and then
+    names only this checkout's extension build, when there is one.
     """
     env = dict(os.environ)
     env.pop("JUPYTER_PATH", None)
@@ -165,8 +166,24 @@ def _server_env(base: Path) -> dict:
         path.mkdir(parents=True, exist_ok=True)
         env[name] = str(path)
     _write_lab_settings(dirs["JUPYTERLAB_SETTINGS_DIR"])
+    if _link_this_checkouts_extension(base / "checkout"):
+        env["JUPYTER_PATH"] = str(base / "checkout")
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def _link_this_checkouts_extension(folder: Path) -> bool:
+    """Link the extension built in this checkout under `folder`, for JUPYTER_PATH, which JupyterLab
+    searches first (a venv shared by several checkouts links only one of their builds); False when
+    this checkout has no build."""
+    built = Path(__file__).resolve().parent.parent / "notebook_accel" / "labextension"
+    if not (built / "package.json").exists():
+        return False
+    target = folder / "labextensions" / "notebook-accel-labextension"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        target.symlink_to(built)
+    return True
 
 
 def _wait_for_status(lab: JupyterServer, timeout: float) -> None:

@@ -211,3 +211,41 @@ def xla_fail_on(failing: int, marker: str) -> None:
     time.sleep(20.0)
     with open(f"{marker}.{xr.global_ordinal()}", "w"):
         pass
+
+
+def _wait_for(path: str, seconds: float = 60.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def hold_memory(megabytes: int, go_path: str) -> bool:
+    """Touches `megabytes` of fresh memory and holds it until `go_path` exists (the test saw it
+    sampled) or a minute passed; returns whether it was told to go."""
+    block = bytearray(megabytes << 20)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    told = _wait_for(f"{go_path}.{os.environ['RANK']}")
+    return told and len(block) > 0
+
+
+def outgrow_cgroup(cgroup_dir: str, go_path: str) -> None:
+    """Rank 1 moves itself into `cgroup_dir`, waits for `go_path` (the launcher has seen it there),
+    then allocates 8 MiB at a time until the kernel kills it; the other ranks wait to be stopped."""
+    if os.environ["RANK"] != "1":
+        time.sleep(120)
+        return
+    with open(os.path.join(cgroup_dir, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    if not _wait_for(go_path):
+        raise TimeoutError("the launcher never reported this rank in its cgroup")
+    blocks = []
+    while True:
+        block = bytearray(8 << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        blocks.append(block)
+        time.sleep(0.01)

@@ -87,17 +87,29 @@ def test_status_bar_sidebar_and_run_on_n_processes(jupyter_lab, browser_page, tm
     # No config file (conftest): N is 2, the precision fp32.
     assert re.search(r"2 x CPU · MULTI_CPU · fp32|x .* · MULTI_GPU · fp32", summary), summary
 
+    sidebar = open_sidebar(page)  # open while the launch runs: its rows show live resources
     run_cell(page, 1)
     # Ranks report one by one ("1/2 ranks running" first); the cell sleeps 6 s, so 2/2 must show.
     assert "2/2 ranks running" in wait_status(page, r"2/2 ranks running")
+    # The launcher samples each rank once a second: RSS and CPU % in each rank's row while it runs.
+    page.wait_for_function(
+        "() => [0, 1].every(r => { const q = (c) => document.querySelector("
+        "`#notebook-accel-panel .nacc-x-launch .nacc-x-${c}[data-rank=\"${r}\"]`)?.textContent ?? '';"
+        " return /^\\d+\\.\\d MiB$/.test(q('rss')) && /^\\d+ %$/.test(q('cpu')); })",
+        timeout=30_000,
+    )
+    # Redraws replace the sidebar's content every second: scroll from inside the page, at once.
+    page.evaluate("document.querySelector('#notebook-accel-panel .nacc-x-launch').scrollIntoView()")
     screenshot(page, tmp_path / "1-running.png")
     assert re.search(r"finished in \d+\.\d s", wait_status(page, "finished in", timeout=90))
     wait_for_output(page, "launch done on 1")
 
-    sidebar = open_sidebar(page)
     launch = sidebar.locator(".nacc-x-launch").first
     assert launch.get_attribute("data-state") == "done"
     assert launch.locator('.nacc-x-rank[data-state="done"]').count() == 2
+    for rank in (0, 1):  # the final rows: each rank's peak RSS, no CPU %
+        assert re.fullmatch(r"peak \d+\.\d MiB", launch.locator(f'.nacc-x-rss[data-rank="{rank}"]').inner_text())
+        assert launch.locator(f'.nacc-x-cpu[data-rank="{rank}"]').count() == 0
     assert "launch done on 0" in launch.inner_text()
     assert "Distributed type" in sidebar.inner_text()
     screenshot(page, tmp_path / "2-sidebar.png")

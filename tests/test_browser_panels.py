@@ -60,9 +60,20 @@ def test_launch_panel_and_hardware_panel_render(jupyter_lab, browser_page, tmp_p
     assert len(colours) >= 2, colours
     assert panel.locator(".nacc-stop").count() == 0 or panel.locator(".nacc-stop").is_disabled()
 
+    for rank in (0, 1):  # each rank's peak RSS in its final row
+        assert re.fullmatch(r"peak \d+\.\d MiB", panel.locator(f'.nacc-rss[data-rank="{rank}"]').inner_text())
+
     # The third cell runs for 2 minutes; its Stop button ends it while the kernel is busy.
     long_panel = page.locator(".nacc-launch").nth(1)
     long_panel.locator('pre.nacc-log[data-view="all"]', has_text="long cell started").wait_for(timeout=60_000)
+    # Meanwhile the launcher samples its ranks once a second: RSS and CPU % in their rows.
+    for rank in (0, 1):
+        long_panel.locator(f'.nacc-rss[data-rank="{rank}"]', has_text=re.compile(r"^\d+\.\d MiB$")).wait_for(
+            timeout=20_000
+        )
+        long_panel.locator(f'.nacc-cpu[data-rank="{rank}"]', has_text=re.compile(r"^\d+ %$")).wait_for(timeout=20_000)
+    long_panel.scroll_into_view_if_needed()
+    resources = screenshot(page, tmp_path / "panel-resources.png")
     long_panel.locator(".nacc-stop").click()
     long_panel.locator('.nacc-launch-status[data-status="stopped"]').wait_for(timeout=20_000)
     wait_for_output(page, "CellStoppedError", timeout=20)
@@ -101,7 +112,7 @@ def test_launch_panel_and_hardware_panel_render(jupyter_lab, browser_page, tmp_p
     button_bg = button.evaluate("e => getComputedStyle(e).backgroundColor")
     assert re.match(r"rgba?\(", button_bg) and _rgb_sum(button_bg) < 3 * 255, button_bg
     hardware_dark = screenshot(page, tmp_path / "hardware-dark.png")
-    print(f"\nscreenshots: {light} {dark} {hardware_dark}")
+    print(f"\nscreenshots: {resources} {light} {dark} {hardware_dark}")
 
 
 def _rgb_sum(colour: str) -> int:

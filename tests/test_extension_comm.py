@@ -89,6 +89,8 @@ def test_hello_then_every_launch_event_reaches_the_comm(kernel):
     assert len({m["launch"] for m in events}) == 1
     assert sorted(m["rank"] for m in events if m["event"] == "RankStarted") == [0, 1]
     assert sorted(m["rank"] for m in events if m["event"] == "RankFinished") == [0, 1]
+    # Each rank's peak RSS (the kernel's, from wait4) travels with its end, in bytes.
+    assert all(m["peak_rss"] > 1 << 20 for m in events if m["event"] == "RankFinished"), events
     assert events[-1]["ok"] is True and events[-1]["seconds"] > 0
     for rank in (0, 1):
         batches = [m for m in events if m["event"] == "RankOutput" and m["rank"] == rank]

@@ -459,6 +459,8 @@ def test_real_launch_fills_the_panel():
         assert f"rank {rank} says <b>hi</b> on stderr" in lines
         assert len(lines) == 4
         assert f'data-rank="{rank}" data-status="done">done</span>' in p.status_table.value
+        # The kernel's exact peak RSS of the reaped rank, in its final row.
+        assert re.search(rf'class="nacc-rss" data-rank="{rank}"[^>]*>peak \d+\.\d MiB<', p.status_table.value)
         assert f"[rank {rank}]</span> rank {rank} line 2" in p.views["all"].value
     assert "says &lt;b&gt;hi&lt;/b&gt; on stderr" in p.views["rank-1"].value
     assert '<span class="nacc-launch-status" data-status="done">finished in' in p.header.value
@@ -531,3 +533,43 @@ def test_real_tqdm_in_ranks_becomes_one_bar_per_rank():
         assert p.progress_labels[rank].value.startswith("train: 20/20 [")
         # The redraws went to the bar, not the log: at most the final line is kept.
         assert sum("train:" in line for line in p.text(rank).splitlines()) <= 1
+
+
+def test_rank_rows_show_live_resources_then_peaks():
+    mib = 1 << 20
+    p = make()
+    for rank in (0, 1):
+        p.handle(ev.RankStarted(rank, 100 + rank))
+    p.handle(ev.RankResources(0, 300 * mib, 97.46, memory_limit=1 << 30))
+    p.handle(ev.RankResources(1, 50 * mib, 3.0, memory_limit=1 << 30))
+    p.flush()
+    table = p.status_table.value
+    assert "<th>RSS</th><th>CPU</th>" in table and "device" not in table  # no device columns without NVML
+    assert '<span class="nacc-rss" data-rank="0" title="resident memory of 1.0 GiB allowed">300.0 MiB</span>' in table
+    assert '<span class="nacc-cpu" data-rank="0" title="100 % = one core">97 %</span>' in table
+    p.handle(ev.RankFinished(0, 2.0, peak_rss=310 * mib))
+    p.handle(ev.RankResources(0, 1 * mib, 0.0))  # a sample that arrives late changes nothing
+    p.handle(
+        ev.RankFailed(1, 101, -9, signal_name="SIGKILL", peak_rss=900 * mib, oom="likely", memory_note="most likely …")
+    )
+    p.flush()
+    table = p.status_table.value
+    assert 'data-rank="0" title="resident memory of 1.0 GiB allowed">peak 310.0 MiB</span>' in table
+    assert '<span class="nacc-cpu" data-rank="0" title="100 % = one core"></span>' in table
+    assert 'data-rank="1" data-status="failed">failed (most likely out of memory, SIGKILL)</span>' in table
+    assert ">peak 900.0 MiB</span>" in table
+
+
+def test_device_columns_appear_where_a_rank_has_device_numbers():
+    gib = 1 << 30
+    p = make(n=1)
+    p.handle(ev.RankStarted(0, 100))
+    p.handle(ev.RankResources(0, gib, 100.0, device_memory=3 * gib, device_util=88.0))
+    p.flush()
+    table = p.status_table.value
+    assert "<th>device memory</th><th>device util</th>" in table
+    assert '<span class="nacc-device-memory" data-rank="0">3.0 GiB</span>' in table
+    assert '<span class="nacc-device-util" data-rank="0">88 %</span>' in table
+    p.handle(ev.RankFinished(0, 1.0, peak_rss=gib, peak_device_memory=5 * gib))
+    p.flush()
+    assert '<span class="nacc-device-memory" data-rank="0">peak 5.0 GiB</span>' in p.status_table.value

@@ -52,6 +52,21 @@ export interface Notice {
 
 export type RankState = 'running' | 'done' | 'failed' | 'stopped';
 
+/** A RankResources event's numbers (bytes, %); device ones null without NVML. */
+export interface RankUsage {
+  rss: number;
+  cpu: number;
+  limit: number | null;
+  deviceMemory: number | null;
+  deviceUtil: number | null;
+}
+
+/** What RankFinished / RankFailed say a rank peaked at (bytes), null where unknown. */
+export interface RankPeaks {
+  rss: number | null;
+  deviceMemory: number | null;
+}
+
 export interface RankView {
   rank: number;
   state: RankState;
@@ -61,6 +76,8 @@ export interface RankView {
   detail: string;
   lines: { stream: string; text: string; transient: boolean }[];
   dropped: number;
+  usage?: RankUsage; // the newest sample while it runs
+  peaks?: RankPeaks; // once it ended
 }
 
 export interface LaunchView {
@@ -159,11 +176,24 @@ export class LaunchModel {
       case 'RankOutput':
         addLines(rankOf(launch, msg.rank, now), msg.lines ?? [], msg.dropped ?? 0);
         return true;
+      case 'RankResources': {
+        const r = rankOf(launch, msg.rank, now);
+        if (r.state === 'running') {
+          r.usage = {
+            rss: num(msg.rss) ?? 0,
+            cpu: num(msg.cpu_percent) ?? 0,
+            limit: num(msg.memory_limit),
+            deviceMemory: num(msg.device_memory),
+            deviceUtil: num(msg.device_util)
+          };
+        }
+        return true;
+      }
       case 'RankFinished':
-        endRank(rankOf(launch, msg.rank, now), 'done', '', now);
+        endRank(rankOf(launch, msg.rank, now), 'done', '', now, msg);
         return true;
       case 'RankFailed':
-        endRank(rankOf(launch, msg.rank, now), 'failed', msg.summary ?? '', now);
+        endRank(rankOf(launch, msg.rank, now), 'failed', msg.summary ?? '', now, msg);
         return true;
       case 'RankStopped':
         endRank(rankOf(launch, msg.rank, now), 'stopped', msg.reason ?? '', now);
@@ -245,10 +275,30 @@ function addLines(r: RankView, lines: [string, string, boolean][], dropped: numb
   }
 }
 
-function endRank(r: RankView, state: RankState, detail: string, now: number): void {
+function endRank(r: RankView, state: RankState, detail: string, now: number, msg?: any): void {
   r.state = state;
   r.detail = detail;
   r.seconds = (now - r.startedAt) / 1000;
+  if (msg) {
+    r.peaks = { rss: num(msg.peak_rss), deviceMemory: num(msg.peak_device_memory) };
+  }
+}
+
+function num(value: unknown): number | null {
+  return typeof value === 'number' && Number.isFinite(value) ? value : null;
+}
+
+/** "266.3 MiB": sizes as the kernel's launch panel writes them (launch/oom.py's human_bytes). */
+export function formatBytes(n: number | null | undefined): string {
+  if (typeof n !== 'number') {
+    return '';
+  }
+  for (const [unit, size] of [['GiB', 2 ** 30], ['MiB', 2 ** 20], ['KiB', 2 ** 10]] as [string, number][]) {
+    if (n >= size) {
+      return `${(n / size).toFixed(1)} ${unit}`;
+    }
+  }
+  return `${n} B`;
 }
 
 export function formatSeconds(s: number): string {

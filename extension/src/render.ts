@@ -1,6 +1,6 @@
 // The sidebar's HTML from a LaunchModel. Plain strings (every value escaped) so node can test it.
 
-import { formatSeconds, LaunchModel, LaunchView, RankView, SessionView } from './model';
+import { formatBytes, formatSeconds, LaunchModel, LaunchView, RankView, SessionView } from './model';
 
 export const SHOWN_LINES = 5;
 
@@ -158,6 +158,32 @@ function rankElapsed(r: RankView, now: number): number {
   return r.seconds ?? (now - r.startedAt) / 1000;
 }
 
+/** "RSS 188.3 MiB · CPU 97 %" (and the device's memory and utilisation where NVML gave them) while a
+ * rank runs, "peak RSS ..." once it ended; on its own line: the sidebar is narrow. */
+function usageLine(r: RankView): string {
+  const span = (kind: string, text: string, title = '') =>
+    `<span class="nacc-x-${kind}" data-rank="${r.rank}"${title ? ` title="${esc(title)}"` : ''}>${esc(text)}</span>`;
+  const parts: string[] = [];
+  if (r.state !== 'running') {
+    if (typeof r.peaks?.rss === 'number') {
+      parts.push(`RSS ${span('rss', `peak ${formatBytes(r.peaks.rss)}`)}`);
+    }
+    if (typeof r.peaks?.deviceMemory === 'number') {
+      parts.push(`device ${span('device-memory', `peak ${formatBytes(r.peaks.deviceMemory)}`)}`);
+    }
+  } else if (r.usage) {
+    const u = r.usage;
+    const limit = u.limit ? `resident memory of ${formatBytes(u.limit)} allowed` : 'resident memory';
+    parts.push(`RSS ${span('rss', formatBytes(u.rss), limit)}`);
+    parts.push(`CPU ${span('cpu', `${Math.round(u.cpu)} %`, '100 % = one core')}`);
+    if (typeof u.deviceMemory === 'number') {
+      const util = typeof u.deviceUtil === 'number' ? ` ${span('device-util', `${Math.round(u.deviceUtil)} %`)}` : '';
+      parts.push(`device ${span('device-memory', formatBytes(u.deviceMemory))}${util}`);
+    }
+  }
+  return parts.length ? `<div class="nacc-x-usage">${parts.join(' · ')}</div>` : '';
+}
+
 function renderRank(r: RankView, now: number): string {
   const lines = r.lines.slice(-SHOWN_LINES);
   const text = lines.map(l => `<div class="nacc-x-line nacc-x-${esc(l.stream)}">${esc(l.text)}</div>`).join('');
@@ -168,7 +194,7 @@ function renderRank(r: RankView, now: number): string {
     `<tr class="nacc-x-rank" data-rank="${r.rank}" data-state="${r.state}">` +
     `<td>${r.rank}</td><td><span class="nacc-x-state nacc-x-${r.state}">${r.state}</span></td>` +
     `<td>${r.pid ?? '-'}</td><td>${formatSeconds(rankElapsed(r, now))}</td></tr>` +
-    `<tr class="nacc-x-output"><td colspan="4">${detail}${more}${text}</td></tr>`
+    `<tr class="nacc-x-output"><td colspan="4">${usageLine(r)}${detail}${more}${text}</td></tr>`
   );
 }
 

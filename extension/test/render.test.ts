@@ -200,3 +200,31 @@ test('what a launch here would use: the preview rows and its notes; or why it wo
     config_error: 'config file x: bad' });
   assert.equal((renderPanel(model, 'nb', 0).match(/config file x: bad/g) ?? []).length, 1);
 });
+
+test('rank rows say RSS and CPU while running, peaks once ended; the device only with NVML numbers', () => {
+  const model = new LaunchModel();
+  const mib = 2 ** 20;
+  model.apply({ type: 'event', launch: 1, event: 'LaunchStarted', num_processes: 2, start_method: 'fork' }, 0);
+  for (const rank of [0, 1]) {
+    model.apply({ type: 'event', launch: 1, event: 'RankStarted', rank, pid: 10 + rank }, 0);
+  }
+  model.apply({ type: 'event', launch: 1, event: 'RankResources', rank: 0, rss: 300 * mib, cpu_percent: 97.6,
+    memory_limit: 2 ** 30, device_memory: null, device_util: null }, 10);
+  let html = renderPanel(model, 'nb.ipynb', 20);
+  assert.match(html, /RSS <span class="nacc-x-rss" data-rank="0" title="resident memory of 1\.0 GiB allowed">300\.0 MiB<\/span>/);
+  assert.match(html, / · CPU <span class="nacc-x-cpu" data-rank="0" title="100 % = one core">98 %</);
+  assert.doesNotMatch(html, /device|data-rank="1" title/); // no NVML numbers; rank 1 not sampled yet
+  model.apply({ type: 'event', launch: 1, event: 'RankFinished', rank: 0, seconds: 1, peak_rss: 310 * mib }, 30);
+  model.apply({ type: 'event', launch: 1, event: 'RankResources', rank: 0, rss: mib, cpu_percent: 0 }, 31); // late
+  model.apply({ type: 'event', launch: 1, event: 'RankResources', rank: 1, rss: mib, cpu_percent: 50,
+    device_memory: 3 * 2 ** 30, device_util: 88 }, 32);
+  html = renderPanel(model, 'nb.ipynb', 40);
+  assert.match(html, /RSS <span class="nacc-x-rss" data-rank="0">peak 310\.0 MiB</);
+  assert.doesNotMatch(html, /nacc-x-cpu" data-rank="0"/);
+  assert.match(html, /device <span class="nacc-x-device-memory" data-rank="1">3\.0 GiB<\/span> <span class="nacc-x-device-util" data-rank="1">88 %</);
+  model.apply({ type: 'event', launch: 1, event: 'RankFailed', rank: 1, summary: 'rank 1 was killed (SIGKILL), out of memory',
+    peak_rss: 900 * mib, peak_device_memory: 5 * 2 ** 30 }, 50);
+  html = renderPanel(model, 'nb.ipynb', 60);
+  assert.match(html, /RSS <span class="nacc-x-rss" data-rank="1">peak 900\.0 MiB<\/span> · device <span class="nacc-x-device-memory" data-rank="1">peak 5\.0 GiB</);
+  assert.match(html, /rank 1 was killed \(SIGKILL\), out of memory/);
+});

@@ -68,6 +68,7 @@ class RankState:
         "current",
         "bar_text",
         "bar_final",
+        "usage",
     )
 
     def __init__(self, rank: int, max_lines: int, view_bytes: int = VIEW_BYTES):
@@ -81,6 +82,8 @@ class RankState:
         self.current: dict = {}  # stream -> the redraw in progress (transient text)
         self.bar_text: Optional[str] = None  # the newest line that may be a tqdm bar
         self.bar_final = False
+        # The launcher's newest sample while it runs (RankResources), its peaks once it ended.
+        self.usage: dict = {}
 
     def end(self, state: str, detail: str = "", seconds: Optional[float] = None) -> None:
         self.state, self.detail = state, detail
@@ -94,8 +97,19 @@ class RankState:
         return None if self.started is None else now - self.started
 
 
+def _peaks(event, last: dict) -> dict:
+    """A finished rank's row: its peaks (the last sample's limit kept, to say "of")."""
+    return {
+        "peak_rss": event.peak_rss,
+        "peak_device_memory": event.peak_device_memory,
+        "limit": last.get("limit"),
+    }
+
+
 def failure_detail(event: ev.RankFailed) -> str:
     parts = [event.exc_type] if event.exc_type else []
+    if event.oom:
+        parts.append("out of memory" if event.oom == "certain" else "most likely out of memory")
     if event.signal_name:
         parts.append(event.signal_name)
     elif event.exitcode is not None:
@@ -186,12 +200,25 @@ class LaunchModel:
             r.pid, r.state, r.started = event.pid, "running", time.monotonic()
             if self.note == self.notice:  # "waiting for the other nodes" is over
                 self.note = ""
+        elif isinstance(event, ev.RankResources):
+            r = self.rank(event.rank)
+            if r.state == "running":  # a late sample must not replace a rank's peaks
+                r.usage = {
+                    "rss": event.rss,
+                    "cpu": event.cpu_percent,
+                    "limit": event.memory_limit,
+                    "device_memory": event.device_memory,
+                    "device_util": event.device_util,
+                }
         elif isinstance(event, ev.RankFinished):
-            self.rank(event.rank).end("done", seconds=event.seconds)
+            r = self.rank(event.rank)
+            r.end("done", seconds=event.seconds)
+            r.usage = _peaks(event, r.usage)
         elif isinstance(event, ev.RankFailed):
             r = self.rank(event.rank)
             r.pid = r.pid or event.pid
             r.end("failed", failure_detail(event))
+            r.usage = _peaks(event, r.usage)
             self.failures.append(event)
         elif isinstance(event, ev.RankStopped):
             r = self.rank(event.rank)

@@ -283,7 +283,7 @@ class LaunchPanel(Sink):
             "launch": (m.state, m.note, m.stop_requested),
             "launch_elapsed": m.elapsed(now),
             "fsdp": m.fsdp,
-            "rows": [(r.rank, r.pid, r.state, r.detail, r.elapsed(now)) for r in ranks],
+            "rows": [(r.rank, r.pid, r.state, r.detail, r.elapsed(now), dict(r.usage)) for r in ranks],
             "logs": logs,
             "dropped": dropped,
             "current": [(r.rank, stream, text) for r in ranks for stream, text in sorted(r.current.items())],

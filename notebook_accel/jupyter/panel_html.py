@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..launch import events as ev
+from ..launch.oom import human_bytes
 from .progress import ANSI, parse_bar
 from .style import esc, rank_color
 
@@ -79,17 +80,48 @@ def header_html(title: str, state: str, note: str, stopping: bool, elapsed: floa
 
 
 def status_html(rows: list) -> str:
-    out = ['<table class="nacc-table"><tr><th>rank</th><th>pid</th><th>status</th><th>time</th></tr>']
-    for rank, pid, state, detail, elapsed in rows:
+    """Rows of (rank, pid, state, detail, elapsed, usage): usage is the launch model's RankState.usage,
+    the newest sample (RSS, CPU %, device) while a rank runs and its peaks once it ended."""
+    device = any(
+        u.get("device_memory") is not None or u.get("peak_device_memory") is not None for *_, u in rows
+    )
+    heads = ["rank", "pid", "status", "time", "RSS", "CPU"] + (
+        ["device memory", "device util"] if device else []
+    )
+    out = ['<table class="nacc-table"><tr>' + "".join(f"<th>{h}</th>" for h in heads) + "</tr>"]
+    for rank, pid, state, detail, elapsed, usage in rows:
         label = f"{state} ({detail})" if detail else state
-        out.append(
-            f'<tr><td><span class="nacc-prefix" style="color:{rank_color(rank)}">{rank}</span></td>'
-            f"<td>{pid if pid is not None else ''}</td>"
-            f'<td><span class="nacc-status" data-rank="{rank}" data-status="{state}">{esc(label)}</span></td>'
-            f"<td>{_seconds(elapsed, state == 'running')}</td></tr>"
-        )
+        cells = [
+            f'<span class="nacc-prefix" style="color:{rank_color(rank)}">{rank}</span>',
+            "" if pid is None else str(pid),
+            f'<span class="nacc-status" data-rank="{rank}" data-status="{state}">{esc(label)}</span>',
+            _seconds(elapsed, state == "running"),
+        ]
+        cells += _usage_cells(rank, usage, device, state == "running")
+        out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     out.append("</table>")
     return "".join(out)
+
+
+def _usage_cells(rank: int, u: dict, device: bool, running: bool) -> list:
+    ended = "peak_rss" in u
+    rss = u.get("peak_rss") if ended else u.get("rss")
+    limit = f" of {human_bytes(u['limit'])} allowed" if u.get("limit") else ""
+    memory = "" if rss is None else ("peak " if ended else "") + human_bytes(rss)
+    cpu = "" if not running or u.get("cpu") is None else f"{u['cpu']:.0f} %"
+    cells = [
+        f'<span class="nacc-rss" data-rank="{rank}" title="resident memory{limit}">{memory}</span>',
+        f'<span class="nacc-cpu" data-rank="{rank}" title="100 % = one core">{cpu}</span>',
+    ]
+    if device:
+        used = u.get("peak_device_memory") if ended else u.get("device_memory")
+        util = u.get("device_util") if running else None
+        used_text = "" if used is None else ("peak " if ended else "") + human_bytes(used)
+        cells.append(f'<span class="nacc-device-memory" data-rank="{rank}">{used_text}</span>')
+        cells.append(
+            f'<span class="nacc-device-util" data-rank="{rank}">{"" if util is None else f"{util:.0f} %"}</span>'
+        )
+    return cells
 
 
 def traceback_html(failure: ev.RankFailed, tail: list) -> str:

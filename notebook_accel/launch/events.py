@@ -45,16 +45,40 @@ class RankOutput:
 
 
 @dataclass(frozen=True)
+class RankResources:
+    """A rank's resources, sampled by the launcher (at most once a second), never by the rank.
+
+    `rss` in bytes and `cpu_percent` (100 = one core busy) of the rank's process; `memory_limit`:
+    the bytes its memory cgroup, else the machine, allows; `device_memory` (bytes) and `device_util`
+    (%) of its accelerator where NVML is present, else None."""
+
+    rank: int
+    rss: int
+    cpu_percent: float
+    memory_limit: Optional[int] = None
+    device_memory: Optional[int] = None
+    device_util: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class RankFinished:
-    """A rank returned; its result reached the launcher `seconds` after the rank started."""
+    """A rank returned; its result reached the launcher `seconds` after the rank started.
+
+    `peak_rss` (bytes): exact (the kernel's ru_maxrss) for ranks the launcher reaps, sampled for
+    forkserver ranks; None where unknown. Likewise `peak_device_memory`, sampled through NVML."""
 
     rank: int
     seconds: float
+    peak_rss: Optional[int] = None
+    peak_device_memory: Optional[int] = None
 
 
 @dataclass(frozen=True)
 class RankFailed:
-    """A rank raised (exc_type set), died by a signal (signal_name set) or exited non-zero."""
+    """A rank raised (exc_type set), died by a signal (signal_name set) or exited non-zero.
+
+    Peaks as in RankFinished. `oom` is "certain" (its memory cgroup counted an OOM kill during the
+    launch) or "likely" (killed by SIGKILL with its RSS near its limit), and `memory_note` says why."""
 
     rank: int
     pid: Optional[int]
@@ -63,8 +87,14 @@ class RankFailed:
     message: str = ""
     traceback: str = ""
     signal_name: Optional[str] = None
+    peak_rss: Optional[int] = None
+    peak_device_memory: Optional[int] = None
+    oom: str = ""
+    memory_note: str = ""
 
     def summary(self) -> str:
+        if self.oom and self.signal_name:
+            return f"rank {self.rank} was killed ({self.signal_name}), {self.memory_note}"
         if self.message and not self.exc_type:  # the launcher's own word on it (forkserver lost)
             return f"rank {self.rank} failed: {self.message}"
         if self.exc_type:

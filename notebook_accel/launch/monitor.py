@@ -3,6 +3,7 @@ stop the other ranks when one fails, and collect results. Single-threaded, drive
 
 from __future__ import annotations
 
+import dataclasses
 import selectors
 import signal
 import time
@@ -11,6 +12,7 @@ from typing import Optional
 from . import events as ev
 from .channel import RankChannel
 from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, failure_from_exit
+from .resources import ResourceSampler
 
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_GRACE_S = 2.0  # after a rank exits, wait this long for a grandchild that still holds its stdout
@@ -41,6 +43,7 @@ class Monitor:
         self.stop_sent_at: Optional[float] = None
         self.killed = False
         self.server_lost = False
+        self.resources = ResourceSampler({})
         for p in procs:
             self._add(p)
         # A gate hands over ranks as they appear (xmp.spawn's, starters/xla.py): `sock` is readable
@@ -59,6 +62,7 @@ class Monitor:
     def _add(self, proc) -> None:
         r = _Rank(proc, self.plan.node_rank * self.plan.num_processes + proc.local_rank)
         self.ranks.append(r)
+        self.resources.add(r.rank, proc.pid)
         for sock, kind in ((r.proc.out, "stdout"), (r.proc.err, "stderr"), (r.proc.ctrl, "ctrl")):
             sock.setblocking(False)
             self.sel.register(sock, selectors.EVENT_READ, (r, kind))
@@ -106,6 +110,7 @@ class Monitor:
         wait = 0.05 if needs_polling or self.stop_sent_at else 1.0
         if self.control is not None:
             wait = self.control.wait_limit(time.monotonic(), wait)
+        wait = max(0.0, min(wait, self.resources.next_at - time.monotonic()))
         for key, _ in self.sel.select(timeout=wait):
             r, kind = key.data
             if kind == "control":
@@ -126,6 +131,9 @@ class Monitor:
         if self.warm is not None and self.warm.lost and not self.server_lost:
             self._server_lost()  # shut down by another thread, or its end seen by another reader
         now = time.monotonic()
+        if self.resources.due(now):
+            for event in self.resources.sample(now, [r.rank for r in self.ranks if not r.done]):
+                self.sink.handle(event)
         if self.control is not None and not self.stopped and self.control.check(now):
             self.stopped = self.control.reason
             self.stop(self.stopped)
@@ -163,8 +171,11 @@ class Monitor:
         for event in r.channel.flush():
             self.sink.handle(event)
         error = r.channel.error
+        peak_rss, peak_device = self.resources.peaks(r.rank)
+        peak_rss = r.proc.max_rss or peak_rss  # exact where we reaped it, else sampled
+        peaks = {"peak_rss": peak_rss, "peak_device_memory": peak_device}
         if r.channel.result is not None and code == 0:
-            self.sink.handle(ev.RankFinished(r.rank, now - r.started))
+            self.sink.handle(ev.RankFinished(r.rank, now - r.started, **peaks))
             return
         if self.stopped:
             # Ended from outside: whatever the rank said while dying is not its failure.
@@ -174,11 +185,14 @@ class Monitor:
             self.sink.handle(ev.RankStopped(r.rank, "stopped after another rank failed"))
             return
         if error is not None:
-            failure = ev.RankFailed(r.rank, r.proc.pid, code, **error)
+            failure = ev.RankFailed(r.rank, r.proc.pid, code, **error, **peaks)
         elif getattr(r.proc, "exit_unknown", False):
-            failure = ev.RankFailed(r.rank, r.proc.pid, None, message=UNKNOWN_END)
+            failure = ev.RankFailed(r.rank, r.proc.pid, None, message=UNKNOWN_END, **peaks)
         else:
-            failure = failure_from_exit(r.rank, r.proc.pid, code)
+            failure = dataclasses.replace(failure_from_exit(r.rank, r.proc.pid, code), **peaks)
+            if code == -signal.SIGKILL:  # not our own: a rank we stopped was reported above
+                oom, note = self.resources.oom(r.rank, peak_rss)
+                failure = dataclasses.replace(failure, oom=oom, memory_note=note)
         if self.stop_sent_at is not None and error is not None and _is_peer_fallout(error):
             self.sink.handle(ev.RankStopped(r.rank, failure.summary()))
             return
@@ -202,7 +216,10 @@ class Monitor:
             r.done = True
             for event in r.channel.flush():
                 self.sink.handle(event)
-            failure = ev.RankFailed(r.rank, r.proc.pid, None, message=self.warm.lost)
+            peak_rss, peak_device = self.resources.peaks(r.rank)
+            failure = ev.RankFailed(
+                r.rank, r.proc.pid, None, message=self.warm.lost, peak_rss=peak_rss, peak_device_memory=peak_device
+            )
             self.failures.append(failure)
             self.sink.handle(failure)
 

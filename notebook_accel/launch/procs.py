@@ -30,6 +30,7 @@ class RankProcess:
         self.out, self.err, self.ctrl = channels
         self._exit_status = exit_status  # for ranks that are not our children (forkserver)
         self.exitcode: Optional[int] = None
+        self.max_rss: Optional[int] = None  # bytes: the kernel's ru_maxrss, for a rank we reap
         # Readable once the process exits, even one we did not fork (a forkserver rank, whose
         # exit code still arrives through the server): a watcher sleeps instead of polling.
         self.exit_fd: Optional[int] = None
@@ -51,10 +52,11 @@ class RankProcess:
             if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
                 return None
             end_group(self.pid)
-            _, status = os.waitpid(self.pid, 0)
+            _, status, usage = os.wait4(self.pid, 0)
         except ChildProcessError:
             self.exitcode = -signal.SIGKILL
             return self.exitcode
+        self.max_rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # kB on Linux
         self.exitcode = os.waitstatus_to_exitcode(status)
         return self.exitcode
 

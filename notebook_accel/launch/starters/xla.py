@@ -58,7 +58,7 @@ class XlaRank(RankProcess):
         self.exit_fd = done.fileno()  # readable on the code, or at the process's end
         self.exitcode = None
         self.exit_unknown = False  # the process ended without its code; xmp took its status
-        self._exit_status = None
+        self.max_rss = None  # xmp reaps it: its peak is the sampled one
 
     def poll(self):
         if self.exitcode is not None:

@@ -85,6 +85,7 @@ export interface LaunchView {
   startedAt: number;
   numProcesses: number;
   startMethod: string;
+  fsdp?: boolean; // the ranks shard models with FSDP (LaunchStarted.fsdp)
   ranks: Map<number, RankView>;
   notice?: string; // "waiting for the other nodes ...", until a rank starts
   finished?: { ok: boolean; seconds: number; stopped: string; failedRanks: number[] };
@@ -165,6 +166,7 @@ export class LaunchModel {
       case 'LaunchStarted':
         launch.numProcesses = msg.num_processes;
         launch.startMethod = msg.start_method;
+        launch.fsdp = msg.fsdp === true;
         return true;
       case 'RankStarted':
         launch.ranks.set(msg.rank, newRank(msg.rank, now, msg.pid));

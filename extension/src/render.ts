@@ -202,7 +202,8 @@ export function renderLaunch(launch: LaunchView, now: number, current: boolean):
   const f = launch.finished;
   const state = !f ? 'running' : f.stopped ? 'stopped' : f.ok ? 'done' : 'failed';
   const took = f ? formatSeconds(f.seconds) : formatSeconds((now - launch.startedAt) / 1000);
-  const how = launch.startMethod ? ` (${esc(launch.startMethod)})` : '';
+  const fsdp = launch.fsdp ? ' <span class="nacc-x-fsdp">FSDP</span>' : '';
+  const how = (launch.startMethod ? ` (${esc(launch.startMethod)})` : '') + fsdp;
   const stop =
     current && !f ? '<button class="jp-Button nacc-x-stop" data-action="stop">Stop</button>' : '';
   const ranks = [...launch.ranks.values()].sort((a, b) => a.rank - b.rank);

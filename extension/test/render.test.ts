@@ -228,3 +228,13 @@ test('rank rows say RSS and CPU while running, peaks once ended; the device only
   assert.match(html, /RSS <span class="nacc-x-rss" data-rank="1">peak 900\.0 MiB<\/span> · device <span class="nacc-x-device-memory" data-rank="1">peak 5\.0 GiB</);
   assert.match(html, /rank 1 was killed \(SIGKILL\), out of memory/);
 });
+
+test('an FSDP launch says so in its header; a plain one does not', () => {
+  const model = new LaunchModel();
+  model.apply({ type: 'hello', hardware: { accelerators: [] }, preview: null });
+  model.apply({ type: 'event', launch: 1, event: 'LaunchStarted', num_processes: 2, start_method: 'fork', fsdp: true }, 0);
+  assert.match(renderPanel(model, 'nb.ipynb', 100), /2 processes \(fork\) <span class="nacc-x-fsdp">FSDP<\/span>/);
+  model.apply({ type: 'event', launch: 2, event: 'LaunchStarted', num_processes: 2, start_method: 'fork', fsdp: false }, 0);
+  const html = renderPanel(model, 'nb.ipynb', 100);
+  assert.equal((html.match(/nacc-x-fsdp/g) ?? []).length, 1); // launch 1's only
+});

@@ -35,9 +35,11 @@ extension/node_modules/.installed: extension/package.json extension/package-lock
 labextension: $(STAMP) extension/node_modules/.installed
 	cd extension && PATH=$(CURDIR)/$(BIN):$$PATH npm run --silent build
 
-# The dev venv's editable install does not lay out data files: link the build where JupyterLab looks.
+# The editable install builds nothing (tools/labextension_build.py), and may have copied an older
+# build: link this one where JupyterLab looks, so a rebuild shows without reinstalling.
 labextension-dev: labextension
 	mkdir -p $(VENV)/share/jupyter/labextensions
+	rm -rf $(VENV)/share/jupyter/labextensions/notebook-accel-labextension
 	ln -sfn $(CURDIR)/notebook_accel/labextension $(VENV)/share/jupyter/labextensions/notebook-accel-labextension
 
 test-extension: extension/node_modules/.installed

@@ -20,7 +20,7 @@ test: $(STAMP) browser labextension-dev test-extension layers test-py312
 
 # Python 3.12 (Colab's and Kaggle's) beside the dev venv's 3.11: a smoke subset (a fork and a spawn
 # launch, the %%accelerate magic in a kernel, the quickstart notebook). No CPU torch wheel for cp312
-# lies on this machine kind: PyPI's CUDA build comes instead (about 2 min and 4.7 GB, once per venv).
+# lies on this machine kind: PyPI's CUDA build comes instead (4.7 GB; 2 to 6 min, by load, once per venv).
 PY312 ?= $(firstword $(wildcard /root/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV312 := .venv-py312
 STAMP312 := $(VENV312)/.installed

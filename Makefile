@@ -30,7 +30,7 @@ SMOKE312 := "tests/test_launcher.py::test_results_are_indexed_by_local_rank[fork
 	tests/test_magics.py::test_spawn_cell_uses_a_class_from_an_earlier_cell \
 	tests/test_quickstart_notebook.py
 
-$(STAMP312): pyproject.toml requirements-dev.txt
+$(STAMP312): pyproject.toml requirements-dev.txt Makefile
 	@$(PY312) -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' || \
 		{ echo "make test-py312: no Python 3.12 at PY312=$(PY312); run: make test PY312=/path/to/python3.12"; exit 1; }
 	test -x $(VENV312)/bin/python || $(PY312) -m venv $(VENV312)

@@ -94,6 +94,7 @@ def test_what_the_install_cells_ask_pip_for_is_valid_and_declared():
     assert {"matplotlib", "tqdm"} <= used  # what a plain install lacks, so the extra is not empty for nothing
 
 
+@pytest.mark.timeout(60)  # git ls-files
 def test_the_repository_is_named_in_one_place():
     """pyproject.toml's Repository URL is the only source: every GitHub link in the notebooks is
     generated from it, and no other tracked file spells the repository out."""

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test browser lab bench lint layers conformance clean labextension labextension-dev test-extension
+.PHONY: demo test test-py312 browser lab bench lint layers conformance clean labextension labextension-dev test-extension
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,8 +15,31 @@ $(STAMP): pyproject.toml requirements-dev.txt
 demo: $(STAMP)
 	$(BIN)/python -m notebook_accel.demo notebooks/quickstart.ipynb
 
-test: $(STAMP) browser labextension-dev test-extension layers
+test: $(STAMP) browser labextension-dev test-extension layers test-py312
 	$(BIN)/python -m pytest -q tests
+
+# Python 3.12 (Colab's and Kaggle's) beside the dev venv's 3.11: a smoke subset (a fork and a spawn
+# launch, the %%accelerate magic in a kernel, the quickstart notebook). No CPU torch wheel for cp312
+# lies on this machine kind: PyPI's CUDA build comes instead (4.7 GB; 2 to 6 min, by load, once per venv).
+PY312 ?= $(firstword $(wildcard /root/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV312 := .venv-py312
+STAMP312 := $(VENV312)/.installed
+SMOKE312 := "tests/test_launcher.py::test_results_are_indexed_by_local_rank[fork-2]" \
+	"tests/test_launcher.py::test_results_are_indexed_by_local_rank[spawn-2]" \
+	tests/test_magics.py::test_cell_runs_on_two_ranks_with_the_notebook_globals \
+	tests/test_magics.py::test_spawn_cell_uses_a_class_from_an_earlier_cell \
+	tests/test_quickstart_notebook.py
+
+$(STAMP312): pyproject.toml requirements-dev.txt Makefile
+	@$(PY312) -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' || \
+		{ echo "make test-py312: no Python 3.12 at PY312=$(PY312); run: make test PY312=/path/to/python3.12"; exit 1; }
+	test -x $(VENV312)/bin/python || $(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install -q --upgrade pip
+	$(VENV312)/bin/python -m pip install -q torch==2.13.0 -e . pytest pytest-timeout nbclient nbformat matplotlib
+	touch $(STAMP312)
+
+test-py312: $(STAMP312)
+	$(VENV312)/bin/python -m pytest -q $(SMOKE312)
 
 # accelerate 1.15.0's own distributed test scripts, from its downloaded wheel, run unchanged against
 # notebook_accel on 2 and 4 ranks (tests/conformance/). tests/test_conformance.py runs the same in `make test`.
@@ -35,9 +58,11 @@ extension/node_modules/.installed: extension/package.json extension/package-lock
 labextension: $(STAMP) extension/node_modules/.installed
 	cd extension && PATH=$(CURDIR)/$(BIN):$$PATH npm run --silent build
 
-# The dev venv's editable install does not lay out data files: link the build where JupyterLab looks.
+# The editable install builds nothing (tools/labextension_build.py), and may have copied an older
+# build: link this one where JupyterLab looks, so a rebuild shows without reinstalling.
 labextension-dev: labextension
 	mkdir -p $(VENV)/share/jupyter/labextensions
+	rm -rf $(VENV)/share/jupyter/labextensions/notebook-accel-labextension
 	ln -sfn $(CURDIR)/notebook_accel/labextension $(VENV)/share/jupyter/labextensions/notebook-accel-labextension
 
 test-extension: extension/node_modules/.installed
@@ -81,5 +106,5 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python benchmarks/fsdp.py
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .venv-binder build dist *.egg-info extension/node_modules extension/lib \
+	rm -rf $(VENV) $(BENCH_VENV) $(VENV312) .venv-binder build dist *.egg-info extension/node_modules extension/lib \
 		extension/test-build notebook_accel/labextension

@@ -4,10 +4,13 @@ and a line in the README."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -42,19 +45,66 @@ def test_readme_links_the_notebook(path):
     assert f"(notebooks/{path.name})" in readme
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_the_install_cell_asks_pip_for_valid_requirements(path):
-    """Colab and Kaggle run the %pip line; here it is skipped (the package is installed), so at least
-    every requirement on it must parse and the package must come from the project's repository."""
-    import shlex
+def _install_cell(path) -> str:
+    code = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    return "".join(code[0]["source"])
 
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_the_install_cell_checks_every_module_the_notebook_imports(path):
+    """A notebook opened after a plain `pip install notebook_accel` (no matplotlib) or on Colab must
+    not meet ModuleNotFoundError in a later cell: the install cell lists every import the notebook
+    makes (tests/test_fresh_install.py runs these cells in a venv that lacks them)."""
+    modules = notebook_header.needs(path)
+    assert modules[0] == "notebook_accel", modules
+    assert _install_cell(path) == notebook_header.install_cell(modules), "run tools/notebook_header.py on it"
+
+
+def test_needs_finds_imports_anywhere_but_not_the_standard_library_or_written_files(tmp_path):
+    nb = {"cells": [
+        {"cell_type": "code", "source": ["import os, torch\n", "from tqdm.auto import tqdm\n"]},
+        {"cell_type": "code", "source": ["%%accelerate -n 2\n", "    import matplotlib.pyplot as plt\n"]},
+        {"cell_type": "code", "source": ["Path('helper.py').write_text('import psutil')\n", "import helper\n"]},
+        {"cell_type": "markdown", "source": ["import yaml\n"]},
+        {"cell_type": "code", "source": ["import notebook_accel\n"]},
+    ]}  # fmt: skip
+    path = tmp_path / "x.ipynb"
+    path.write_text(json.dumps(nb))
+    assert notebook_header.needs(path) == ["notebook_accel", "matplotlib", "torch", "tqdm"]
+    nb["cells"].append({"cell_type": "code", "source": ["import sklearn\n"]})
+    path.write_text(json.dumps(nb))
+    with pytest.raises(SystemExit, match=r"x.ipynb imports \['sklearn'\]: add what pip installs"):
+        notebook_header.needs(path)
+
+
+def test_what_the_install_cells_ask_pip_for_is_valid_and_declared():
+    """Each module maps to a valid requirement; beyond the package, each is a dependency of the package
+    or in its `notebooks` extra, so `pip install "notebook_accel[notebooks]"` covers every notebook."""
     from packaging.requirements import Requirement
 
-    code = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
-    line = next(x for x in "".join(code[0]["source"]).splitlines() if "%pip install" in x)
-    words = [w for w in shlex.split(line.split("%pip install", 1)[1]) if not w.startswith("-")]
-    requirements = [Requirement(w) for w in words]
-    assert requirements[0].name == "notebook_accel", words
-    assert requirements[0].url == f"git+https://github.com/{notebook_header.REPO}", words
-    for extra in requirements[1:]:  # what the notebook needs beyond the package (plots)
-        assert extra.url is None and extra.name.replace("-", "_").isidentifier(), words
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {Requirement(r).name.lower() for r in project["dependencies"] + project["optional-dependencies"]["notebooks"]}
+    used = {m for path in NOTEBOOKS for m in notebook_header.needs(path)}
+    package = Requirement(notebook_header.PIP_NAMES["notebook_accel"])
+    assert (package.name, package.extras) == ("notebook_accel", {"notebooks"})
+    assert package.url == f"git+https://github.com/{notebook_header.REPO}"
+    for module in used - {"notebook_accel"}:
+        requirement = Requirement(notebook_header.PIP_NAMES[module])
+        assert requirement.url is None and (requirement.name.lower() in declared or module == "IPython"), module
+    assert {"matplotlib", "tqdm"} <= used  # what a plain install lacks, so the extra is not empty for nothing
+
+
+@pytest.mark.timeout(60)  # git ls-files
+def test_the_repository_is_named_in_one_place():
+    """pyproject.toml's Repository URL is the only source: every GitHub link in the notebooks is
+    generated from it, and no other tracked file spells the repository out."""
+    url = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+    assert url == f"https://github.com/{notebook_header.REPO}"
+    for path in NOTEBOOKS:
+        linked = set(re.findall(r"github(?:\.com)?/([\w.-]+/[\w.-]+?)(?:/blob|/main|\b\\?\")", path.read_text()))
+        assert linked == {notebook_header.REPO}, (path.name, linked)
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    spelled = [name for name in tracked.split() if not name.startswith(("notebooks/", "extension/package-lock"))
+               and name != "pyproject.toml" and (ROOT / name).is_file()
+               and notebook_header.REPO in (ROOT / name).read_text(errors="replace")]  # fmt: skip
+    assert spelled == [], f"the repository is spelled out in {spelled}: read it from pyproject.toml"

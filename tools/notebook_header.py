@@ -2,19 +2,45 @@
 
     python tools/notebook_header.py notebooks/NAME.ipynb [...]   # add or refresh them, strip outputs
 
-Colab and Kaggle start without notebook_accel; the install cell adds it there and does nothing
-where it is installed (this repo's venv, Binder).
+The install cell checks every module the notebook imports and pip-installs the missing ones, so a
+notebook opened on Colab or Kaggle (no notebook_accel) or after a plain `pip install notebook_accel`
+(no matplotlib) works from its second cell on; where everything is installed it does nothing.
+
+The repository the badges open and the install cell installs from is `[project.urls] Repository` in
+pyproject.toml, the one place a fork changes it (then run this tool on every notebook).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
-REPO = "notebook-accel/notebook_accel"  # the GitHub repository the badges open
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+GITHUB = "https://github.com/"
+
+
+def _repository() -> str:
+    url = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+    if not url.startswith(GITHUB) or url.rstrip("/").count("/") != 4:
+        raise SystemExit(f"pyproject.toml [project.urls] Repository = {url!r}: the badges need a GitHub "
+                         f"repository URL, {GITHUB}OWNER/NAME")  # fmt: skip
+    return url.rstrip("/")[len(GITHUB):]
+
+
+REPO = _repository()  # OWNER/NAME, as Colab, Kaggle and Binder links spell it
 BADGES_MARK = "<!-- open-in badges -->"
 INSTALL_MARK = "# Colab, Kaggle or a fresh environment"
+# What pip installs for a module a notebook imports; the standard library needs nothing.
+PIP_NAMES = {
+    "notebook_accel": f"notebook_accel[notebooks] @ git+{GITHUB}{REPO}",
+    "torch": "torch", "numpy": "numpy", "psutil": "psutil", "safetensors": "safetensors",
+    "IPython": "ipython", "yaml": "pyyaml", "matplotlib": "matplotlib", "tqdm": "tqdm",
+}  # fmt: skip
+IMPORT = re.compile(r"\s*(?:from\s+([\w.]+)\s+import\b|import\s+([\w.]+(?:\s+as\s+\w+)?(?:\s*,\s*[\w.]+(?:\s+as\s+\w+)?)*))")
 
 
 def badges(name: str) -> str:
@@ -30,13 +56,38 @@ def badges(name: str) -> str:
     ])  # fmt: skip
 
 
-def install_cell(extra: str = "matplotlib") -> str:
+def needs(path: Path) -> list:
+    """The modules the notebook imports in any code cell (a script it writes included) that are
+    neither in the standard library nor a file the notebook writes itself; notebook_accel first."""
+    sources = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    found = set()
+    for line in "\n".join(sources).splitlines():
+        match = IMPORT.match(line)
+        if match:
+            names = [match.group(1)] if match.group(1) else [n.split()[0] for n in match.group(2).split(",")]
+            found.update(n.strip().split(".")[0] for n in names)
+    written = {m for m in found if any(re.search(rf"\b{m}\.py\b", s) for s in sources)}
+    modules = sorted(found - set(sys.stdlib_module_names) - written, key=lambda m: (m != "notebook_accel", m))
+    unknown = [m for m in modules if m not in PIP_NAMES]
+    if unknown:
+        raise SystemExit(f"{path.name} imports {unknown}: add what pip installs for each to PIP_NAMES in "
+                         "tools/notebook_header.py (and to the notebooks extra in pyproject.toml)")  # fmt: skip
+    return modules
+
+
+def install_cell(modules) -> str:
     return "\n".join([
-        f"{INSTALL_MARK}: install notebook_accel (nothing to do where it is installed).",
+        f"{INSTALL_MARK}: install what this notebook imports and is missing.",
         "import importlib.util",
+        "import shlex",
         "",
-        'if importlib.util.find_spec("notebook_accel") is None:',
-        f'    %pip install -q "notebook_accel @ git+https://github.com/{REPO}" {extra}'.rstrip(),
+        "NEEDS = {  # module: what pip installs for it",
+        *(f'    "{m}": "{PIP_NAMES[m]}",' for m in modules),
+        "}",
+        "missing = [spec for module, spec in NEEDS.items() if importlib.util.find_spec(module) is None]",
+        "if missing:",
+        "    specs = shlex.join(missing)",
+        "    %pip install -q {specs}",
     ])  # fmt: skip
 
 
@@ -54,7 +105,7 @@ def apply(path: Path) -> None:
     # Old install cells (find_spec + %pip) give way to the standard one.
     cells = [c for c in cells if not ("find_spec(" in "".join(c["source"]) and "%pip install" in "".join(c["source"]))]
     title = 1 if cells and cells[0]["cell_type"] == "markdown" else 0
-    cells[title:title] = [_cell("markdown", badges(path.name)), _cell("code", install_cell())]
+    cells[title:title] = [_cell("markdown", badges(path.name)), _cell("code", install_cell(needs(path)))]
     for c in cells:
         if c["cell_type"] == "code":
             c["outputs"], c["execution_count"] = [], None

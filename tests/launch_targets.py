@@ -197,8 +197,10 @@ def xla_rank(tag: str) -> tuple:
     """A TPU rank (tests/xla_standin): says its ordinal and returns it with its pid."""
     import torch_xla.runtime as xr
 
-    print(f"ordinal {xr.global_ordinal()} {tag}")
-    print(f"to stderr {xr.global_ordinal()}", file=sys.stderr)
+    # One write per line: ranks that are threads of one process share its stdout (TPU v2/v3), and
+    # print() writes the text and its newline apart.
+    sys.stdout.write(f"ordinal {xr.global_ordinal()} {tag}\n")
+    sys.stderr.write(f"to stderr {xr.global_ordinal()}\n")
     return xr.global_ordinal(), os.getpid()
 
 

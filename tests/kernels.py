@@ -15,9 +15,11 @@ from notebook_accel.demo import _kernel_manager_class
 
 @pytest.fixture
 def kernel(tmp_path, request):
-    widgets = getattr(request, "param", "0")
+    # indirect parameter: NOTEBOOK_ACCEL_WIDGETS's value, or a dict of variables for the kernel
+    param = getattr(request, "param", "0")
+    extra = param if isinstance(param, dict) else {"NOTEBOOK_ACCEL_WIDGETS": param}
     km: KernelManager = _kernel_manager_class()(kernel_name="python3")
-    env = {**os.environ, "NOTEBOOK_ACCEL_WIDGETS": widgets, "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+    env = {**os.environ, "NOTEBOOK_ACCEL_WIDGETS": "0", "PYDEVD_DISABLE_FILE_VALIDATION": "1", **extra}
     km.start_kernel(env=env, extra_arguments=["--IPKernelApp.log_level=ERROR"], cwd=str(tmp_path))
     kc = km.client()
     kc.start_channels()

@@ -224,10 +224,14 @@ class WarmServer:
             return server
 
     @classmethod
-    def prewarm(cls) -> "WarmServer":
+    def prewarm(cls) -> Optional["WarmServer"]:
         """Start the server if there is none, and return at once (a Popen: milliseconds)."""
-        with cls._lock:
+        if not cls._lock.acquire(blocking=False):
+            return cls._instance  # a launch is starting one, or waiting for it: never wait here
+        try:
             return cls._current()
+        finally:
+            cls._lock.release()
 
     @classmethod
     def _current(cls) -> "WarmServer":

@@ -22,9 +22,8 @@ import threading
 import time
 from typing import Optional
 
-from . import child
-from .channel import recv_frame, recv_frame_with_fds, send_frame, send_frame_with_fds
-from .procs import end_group
+# The rest of launch/ is imported where it is used: a kernel imports this module to start the
+# server early (prewarm), and that import is part of `import notebook_accel`.
 
 SERVER_START_S = 120.0  # importing torch there takes about 2 s; past this it is stuck, not slow
 SERVER_CODE = "from notebook_accel.launch.warm import serve; serve()"
@@ -42,6 +41,9 @@ PRELOAD = (
 # -- server side ------------------------------------------------------------------------------
 def serve() -> None:
     import importlib
+
+    from .channel import send_frame
+    from .procs import end_group
 
     sock = socket.socket(fileno=int(os.environ.pop("NOTEBOOK_ACCEL_SERVER_FD")))
     with _exit_with_parent_while_booting():
@@ -112,10 +114,14 @@ def _exit_with_parent_while_booting():
 
 
 def _recv_request(sock: socket.socket):
+    from .channel import recv_frame_with_fds
+
     return recv_frame_with_fds(sock, 3)
 
 
 def _fork_rank(request: dict, fds: list, server_sock: socket.socket) -> int:
+    from . import child
+
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -279,6 +285,7 @@ class WarmServer:
         """Start ranks from (local_rank, rank, env, threads, payload) tuples; all requests go out
         before any reply is awaited, so the server forks them back to back. Past `deadline`
         (time.monotonic()) this raises LaunchTimeoutError."""
+        from .channel import send_frame_with_fds
         from .procs import RankProcess, _channels
 
         wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
@@ -354,6 +361,8 @@ class WarmServer:
         """One frame, if one arrives within `timeout` s; call with `_io` held."""
         if self.lost or not select.select([self.sock], [], [], timeout)[0]:
             return False
+        from .channel import recv_frame
+
         try:
             message = recv_frame(self.sock)
         except (EOFError, OSError):

@@ -36,7 +36,9 @@ def no_server(monkeypatch):
 
 
 def servers_under(pid: int) -> list:
-    return [p for p in psutil.Process(pid).children(recursive=True) if alive(p) and SERVER in " ".join(p.cmdline())]
+    """Forkservers among pid's descendants (not their ranks, which share their command line)."""
+    found = [p for p in psutil.Process(pid).children(recursive=True) if alive(p) and SERVER in " ".join(p.cmdline())]
+    return [p for p in found if p.ppid() not in {q.pid for q in found}]
 
 
 def still_booting(server: WarmServer) -> bool:
@@ -75,6 +77,22 @@ def test_launches_during_boot_wait_for_that_server(no_server):
     assert parents == {server.proc.pid}, (parents, server.proc.pid)
     assert [p.pid for p in servers_under(os.getpid())] == [server.proc.pid]
     assert WarmServer.get() is server
+
+
+@pytest.mark.timeout(180)
+def test_a_session_started_during_boot_uses_that_server(no_server):
+    from notebook_accel.session import Session
+
+    server = prewarm.start()
+    assert still_booting(server)
+    session = Session(2, start_method="forkserver", cpu=True, on_output=lambda *_: None)
+    session.start(timeout=150)
+    try:
+        session.run_cell("import os\nparent = os.getppid()", timeout=60, check=True)
+        assert [session.pull("parent", rank=r) for r in (0, 1)] == [server.proc.pid] * 2
+        assert [p.pid for p in servers_under(os.getpid())] == [server.proc.pid]
+    finally:
+        session.stop()
 
 
 @pytest.mark.timeout(120)

@@ -80,8 +80,20 @@ def alive(process) -> bool:
         return False
 
 
-def kernel_children(km) -> list:
-    return [p for p in psutil.Process(km.provisioner.pid).children(recursive=True) if alive(p)]
+def kernel_children(km, helpers: bool = False) -> list:
+    """The kernel's live descendants; without `helpers`, less its warm forkserver (the process
+    itself, not its ranks), which a kernel keeps up by design once notebook_accel is imported."""
+    found = [p for p in psutil.Process(km.provisioner.pid).children(recursive=True) if alive(p)]
+    if helpers:
+        return found
+    return [p for p in found if not (p.ppid() == km.provisioner.pid and _is_forkserver(p))]
+
+
+def _is_forkserver(process) -> bool:
+    try:
+        return "notebook_accel.launch.warm" in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
 
 
 def wait_for_files(folder, names, timeout=30.0) -> None:

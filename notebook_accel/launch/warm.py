@@ -25,7 +25,7 @@ from typing import Optional
 # The rest of launch/ is imported where it is used: a kernel imports this module to start the
 # server early (prewarm), and that import is part of `import notebook_accel`.
 
-SERVER_START_S = 120.0  # importing torch there takes about 2 s; past this it is stuck, not slow
+SERVER_START_S = 120.0  # booting (torch, torch._dynamo) takes about 4.5 s; past this it is stuck, not slow
 SERVER_CODE = "from notebook_accel.launch.warm import serve; serve()"
 # torch._dynamo: DistributedDataParallel imports it at construction, about 1 s per rank otherwise.
 PRELOAD = (

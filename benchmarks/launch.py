@@ -4,7 +4,13 @@ Every configuration does the same work on each rank: join a gloo process group o
 all_reduce one tensor, leave. Configurations run round-robin (not one block after another) so
 that load from other programs on the machine spreads over all of them alike.
 
-    python benchmarks/launch.py [--reps 10] [--spawn-reps 3] [--json PATH]
+The forkserver's rows: "first" is this process's first launch, the server started by it; "5 s
+after import, in a kernel" is a fresh real kernel (jupyter_client) that imported torch, then
+`from notebook_accel import notebook_launcher` (which starts the server booting, launch/prewarm.py),
+stays idle 5 s and launches; "NOTEBOOK_ACCEL_PREWARM=0" the same with the early start off. Those
+samples run in the same rounds as the others.
+
+    python benchmarks/launch.py [--reps 10] [--spawn-reps 3] [--prewarm-reps 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 import torch  # the parent imports torch once, as a notebook kernel would; it runs no torch op
 
 LAUNCH_TIMEOUT_S = 120
+PREWARM_WAIT_S = 5.0  # the issue's "5 s after the import"
 
 
 # -- the work, one function per way of launching ----------------------------------------------
@@ -125,14 +132,69 @@ def _alarm(_signum, _frame):
 
 
 def timed(call) -> float:
+    """Seconds `call()` took, or the seconds it returns (a sample measured in a child)."""
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(LAUNCH_TIMEOUT_S)  # a hang becomes a failed sample, not a stuck benchmark
     try:
         start = time.perf_counter()
-        call()
-        return time.perf_counter() - start
+        measured = call()
+        return measured if isinstance(measured, float) else time.perf_counter() - start
     finally:
         signal.alarm(0)
+
+
+# -- the forkserver started early, in a real kernel: one fresh kernel per sample ---------------
+KERNEL_SAMPLE = """\
+import json as _j, os as _o, sys as _s, time as _t, psutil as _p
+_s.path.insert(0, {bench!r})
+_t0 = _t.perf_counter()
+from notebook_accel import notebook_launcher  # a notebook's import cell: the server starts booting here
+_t1 = _t.perf_counter()
+_children = len(_p.Process().children())
+_t.sleep({wait})
+import launch as _bench
+from notebook_accel.launch.warm import WarmServer as _W
+_t2 = _t.perf_counter()
+_W.get()  # the launch's own first step: waits for the server (or starts it, with prewarm off)
+_t2b = _t.perf_counter()
+_bench.launch_ours({world}, "forkserver")
+_t3 = _t.perf_counter()
+_bench.launch_ours({world}, "forkserver")
+_t4 = _t.perf_counter()
+_m = _p.Process(_W._instance.proc.pid).memory_full_info()
+print(_j.dumps({{"import_s": _t1 - _t0, "children_after_import": _children, "launch_s": _t3 - _t2,
+                 "server_wait_s": _t2b - _t2,
+                 "second_launch_s": _t4 - _t3, "server_pss": _m.pss, "server_uss": _m.uss, "server_rss": _m.rss}}))
+"""
+
+
+def kernel_sample(world: int, prewarm: str, details: list) -> float:
+    """In a fresh real kernel that imported torch: `from notebook_accel import notebook_launcher`
+    (NOTEBOOK_ACCEL_PREWARM=`prewarm`), PREWARM_WAIT_S idle, then a timed forkserver launch (the
+    sample), a second one, and the server's memory."""
+    from notebook_accel.demo import _kernel_manager_class
+
+    km = _kernel_manager_class()(kernel_name="python3")
+    env = {**os.environ, "NOTEBOOK_ACCEL_PREWARM": prewarm, "NOTEBOOK_ACCEL_WIDGETS": "0"}
+    km.start_kernel(env=env, extra_arguments=["--IPKernelApp.log_level=ERROR"])
+    kc = km.client()
+    try:
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        kc.execute_interactive("import torch", timeout=60)
+        text: list = []
+        code = KERNEL_SAMPLE.format(bench=os.path.dirname(os.path.abspath(__file__)), wait=PREWARM_WAIT_S, world=world)
+        reply = kc.execute_interactive(
+            code, timeout=LAUNCH_TIMEOUT_S, output_hook=lambda m: text.append(m["content"].get("text", ""))
+        )
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"kernel sample failed: {reply['content'].get('evalue')}")
+        sample = json.loads("".join(text).strip().splitlines()[-1])
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    details.append(sample)
+    return sample["launch_s"]
 
 
 def accelerate_available() -> bool:
@@ -144,14 +206,21 @@ def accelerate_available() -> bool:
 
 
 # -- the benchmark ---------------------------------------------------------------------------
-def measure_launches(ranks: list, reps: int, spawn_reps: int, with_accelerate: bool) -> dict:
+def measure_launches(ranks: list, reps: int, spawn_reps: int, with_accelerate: bool, prewarm_reps: int) -> dict:
     configs = {}  # name -> (call, repetitions)
+    in_kernels: dict = {"1": [], "0": []}  # NOTEBOOK_ACCEL_PREWARM -> each kernel sample's details
     accelerate_seen: dict = {}
     accelerate_said: set = set()
     for world in ranks:
         configs[f"raw fork/{world}"] = (lambda w=world: launch_raw(w, "fork"), reps)
         configs[f"ours fork/{world}"] = (lambda w=world: launch_ours(w, "fork"), reps)
         configs[f"ours forkserver warm/{world}"] = (lambda w=world: launch_ours(w, "forkserver"), reps)
+        if world == ranks[0]:
+            for value, label in (("1", "5 s after import, in a kernel"), ("0", "5 s after import, in a kernel, NOTEBOOK_ACCEL_PREWARM=0")):
+                configs[f"ours forkserver {label}/{world}"] = (
+                    lambda w=world, v=value: kernel_sample(w, v, in_kernels[v]),
+                    prewarm_reps,
+                )
         configs[f"raw spawn/{world}"] = (lambda w=world: launch_raw(w, "spawn"), spawn_reps)
         configs[f"ours spawn/{world}"] = (lambda w=world: launch_ours(w, "spawn"), spawn_reps)
         if with_accelerate:
@@ -169,7 +238,7 @@ def measure_launches(ranks: list, reps: int, spawn_reps: int, with_accelerate: b
     first = {
         f"ours forkserver first/{w}": [timed(lambda w=w: launch_ours(w, "forkserver"))] for w in ranks[:1]
     }
-    for rep in range(max(reps, spawn_reps)):
+    for rep in range(max(reps, spawn_reps, prewarm_reps)):
         for name, (call, count) in configs.items():
             if rep >= count or name in errors:
                 continue
@@ -189,6 +258,7 @@ def measure_launches(ranks: list, reps: int, spawn_reps: int, with_accelerate: b
         "errors": errors,
         "accelerate_seen": accelerate_seen,
         "accelerate_said": sorted(accelerate_said),
+        "in_kernels": in_kernels,
     }
 
 
@@ -304,6 +374,7 @@ def summarize(result: dict, ranks: list) -> dict:
         for num, den, target in (
             ("ours fork", "raw fork", 1.2),
             ("ours forkserver warm", "raw fork", 1.3),
+            ("ours forkserver 5 s after import, in a kernel", "raw fork", 1.3),
             ("ours spawn", "raw spawn", 1.1),
             ("accelerate", "raw fork", None),
             ("accelerate cpu=True", "raw fork", None),
@@ -327,6 +398,8 @@ def markdown(result: dict, summary: dict, relay: dict) -> str:
         target = f"<= {r['target']}" if r["target"] else "-"
         met = ("yes" if r["value"] <= r["target"] else "NO") if r["target"] else "-"
         rows.append(f"| {r['ratio']} | {r['ranks']} | {r['value']:.3f} | {target} | {met} |")
+    if any(result["in_kernels"].values()):
+        rows.append("\n" + kernel_markdown(result["in_kernels"]))
     for name, error in result["errors"].items():
         rows.append(f"\nfailed: {name}: {error}")
     if result["accelerate_said"]:
@@ -350,11 +423,38 @@ def markdown(result: dict, summary: dict, relay: dict) -> str:
     return "\n".join(rows)
 
 
+def kernel_markdown(in_kernels: dict) -> str:
+    def mm(samples: list, key: str, scale: float = 1.0, digits: int = 3) -> str:
+        values = [s[key] * scale for s in samples]
+        if not values:
+            return "-"
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+    mib = 1 / 2**20
+    on, off = in_kernels["1"], in_kernels["0"]
+    rows = [
+        f"| in fresh kernels (median (min-max)) | NOTEBOOK_ACCEL_PREWARM=1 ({len(on)}) | =0 ({len(off)}) |",
+        "|---|---|---|",
+        f"| `from notebook_accel import notebook_launcher` (s) | {mm(on, 'import_s')} | {mm(off, 'import_s')} |",
+        "| child processes of the kernel right after it | "
+        f"{sorted({s['children_after_import'] for s in on})} | {sorted({s['children_after_import'] for s in off})} |",
+        f"| forkserver launch {PREWARM_WAIT_S:g} s after it (s) | {mm(on, 'launch_s')} | {mm(off, 'launch_s')} |",
+        f"| of which waiting for the server to boot (s) | {mm(on, 'server_wait_s')} | {mm(off, 'server_wait_s')} |",
+        f"| the next forkserver launch (s) | {mm(on, 'second_launch_s')} | {mm(off, 'second_launch_s')} |",
+        f"| the idle server's PSS after them (MiB) | {mm(on, 'server_pss', mib, 1)} | {mm(off, 'server_pss', mib, 1)} |",
+        f"| its USS (MiB) | {mm(on, 'server_uss', mib, 1)} | {mm(off, 'server_uss', mib, 1)} |",
+        f"| its RSS (MiB) | {mm(on, 'server_rss', mib, 1)} | {mm(off, 'server_rss', mib, 1)} |",
+    ]
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reps", type=int, default=10, help="runs of each fast configuration")
     parser.add_argument("--spawn-reps", type=int, default=3, help="runs of each spawn configuration")
+    parser.add_argument("--prewarm-reps", type=int, default=5, help="fresh kernels per early-start setting")
+    parser.add_argument("--no-large-result", action="store_true", help="skip the large-result row")
     parser.add_argument("--lines", type=int, default=50_000, help="lines per rank in the log-relay check")
     parser.add_argument("--no-accelerate", action="store_true", help="skip accelerate even if installed")
     parser.add_argument("--json", metavar="PATH", help="also write every sample and ratio here")
@@ -367,10 +467,11 @@ def main(argv=None) -> int:
         print(large_result_markdown(measure_large_result(nbytes, options.large_result_reps), nbytes))
         return 0
 
+    load0 = os.getloadavg()
     with_accelerate = not options.no_accelerate and accelerate_available()
     if not with_accelerate:
         print("accelerate is not importable here: its rows are skipped.", file=sys.stderr)
-    result = measure_launches(options.ranks, options.reps, options.spawn_reps, with_accelerate)
+    result = measure_launches(options.ranks, options.reps, options.spawn_reps, with_accelerate, options.prewarm_reps)
     relay = measure_relay(4, options.lines)
     summary = summarize(result, options.ranks)
     versions = f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs"
@@ -378,10 +479,13 @@ def main(argv=None) -> int:
         import accelerate
 
         versions += f", accelerate {accelerate.__version__}"
-    print(f"Launch latency ({versions})\n")
+    load = f"load average (1 min) {load0[0]:.2f} at the start, {os.getloadavg()[0]:.2f} after the launches"
+    print(f"Launch latency ({versions}; {load})\n")
     print(markdown(result, summary, relay))
-    large = measure_large_result(nbytes, options.large_result_reps)
-    print("\n" + large_result_markdown(large, nbytes))
+    large = {}
+    if not options.no_large_result:
+        large = measure_large_result(nbytes, options.large_result_reps)
+        print("\n" + large_result_markdown(large, nbytes))
     if options.json:
         with open(options.json, "w") as f:
             json.dump(

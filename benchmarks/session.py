@@ -39,7 +39,8 @@ CHILD_TIMEOUT_S = 150  # one child (start, check, stop); the parent kills its se
 STEP_TIMEOUT_S = 90  # one blocking step inside a child (SIGALRM)
 CLUSTER_EXIT_WAIT_S = 15.0  # how long ipyparallel's processes get to exit after stop_cluster_sync
 RESULT = "SESSION-BENCH-RESULT "
-OURS_METHODS = ("fork", "forkserver", "spawn")
+OURS_METHODS = ("fork", "forkserver", "forkserver-early", "spawn")
+PREWARM_WAIT_S = 5.0  # forkserver-early: the server started as a kernel's import does, 5 s before
 
 
 # -- helpers used in the children ---------------------------------------------------------------
@@ -194,11 +195,19 @@ def child_ours(method: str) -> None:
     import notebook_accel.session  # noqa: F401
 
     t2 = time.perf_counter()
+    import_lib = t2 - t1
+    if method == "forkserver-early":
+        from notebook_accel.launch import prewarm
+
+        prewarm.start()  # what importing notebook_accel in a kernel does
+        time.sleep(PREWARM_WAIT_S)
+        method = "forkserver"
+        t2 = time.perf_counter()  # (b) leaves out the wait
     s = _guarded(lambda: _ours_start(method))
     t3 = time.perf_counter()
     _guarded(lambda: _ours_check(s))
     _guarded(s.stop)
-    out = {"import_torch": t1 - t0, "import_lib": t2 - t1, "start": t3 - t2}
+    out = {"import_torch": t1 - t0, "import_lib": import_lib, "start": t3 - t2}
     if method == "forkserver":  # the server is up now: a second start in the same kernel
         t4 = time.perf_counter()
         s = _guarded(lambda: _ours_start(method))
@@ -633,7 +642,7 @@ def concurrent_torch_imports(n: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(reps: int, floor_reps: int, calls: int, warmup: int, block: int) -> dict:
+def measure(reps: int, floor_reps: int, calls: int, warmup: int, block: int, only=None) -> dict:
     samples: dict = {}  # row -> {"a": [...], "b": [...]}
     child_wall: dict = {}  # configuration -> wall time of each child, start to exit (for the run time)
     notes: list = []
@@ -650,10 +659,10 @@ def measure(reps: int, floor_reps: int, calls: int, warmup: int, block: int) -> 
             r = run_child(["ours", method])
             if "error" not in r:
                 label = {"fork": "fork", "forkserver": "forkserver, cold (first start in the kernel)",
-                         "spawn": "spawn"}[method]  # fmt: skip
+                         "forkserver-early": EARLY, "spawn": "spawn"}[method]  # fmt: skip
                 add(f"ours {label}", r["start"], r["import_torch"] + r["import_lib"] + r["start"])
                 add(TORCH_ONE, r["import_torch"])
-                if "start_warm" in r:
+                if "start_warm" in r and method == "forkserver":
                     add("ours forkserver, warm (second start in the same kernel)", r["start_warm"])
             return r
 
@@ -677,6 +686,8 @@ def measure(reps: int, floor_reps: int, calls: int, warmup: int, block: int) -> 
             return {"error": f"{type(exc).__name__}: {exc}"}
 
     configs = {**{f"ours {m}": ours(m) for m in OURS_METHODS}, "ipyparallel": ipp, "torch floor": floor}
+    if only:
+        configs = {name: call for name, call in configs.items() if name in only}
     # Untimed: bring torch, notebook_accel and ipyparallel into the page cache.
     subprocess.run([sys.executable, "-c", "import torch, notebook_accel.session, ipyparallel"],
                    timeout=CHILD_TIMEOUT_S, check=True)  # fmt: skip
@@ -702,6 +713,10 @@ def measure(reps: int, floor_reps: int, calls: int, warmup: int, block: int) -> 
                 )
         print(f"round {rep + 1} done", file=sys.stderr, flush=True)
 
+    if only:  # a part of the start measurements only
+        return {"start": samples, "roundtrip": {}, "errors": errors, "notes": notes,
+                "ipp_stop_s": samples.pop("_ipp_stop", []), "ipp_all_gone_s": samples.pop("_ipp_gone", []),
+                "child_wall_s": child_wall}  # fmt: skip
     wall = time.perf_counter()
     rt = run_child(["roundtrip", "--calls", str(calls), "--warmup", str(warmup), "--block", str(block)],
                    timeout=CHILD_TIMEOUT_S + 60)  # fmt: skip
@@ -724,11 +739,13 @@ def measure(reps: int, floor_reps: int, calls: int, warmup: int, block: int) -> 
 
 # -- the report -----------------------------------------------------------------------------------
 START_TARGET_S = 3.0
+EARLY_TARGET_S = 1.5
 RT_TARGET_MS, RT_STRETCH_MS = 20.0, 10.0
 IPP_FULL = "ipyparallel engines up + torch + process group"
 TORCH_ONE = "reference: `import torch` in a fresh interpreter (in the ours children)"
 TORCH_FOUR = f"reference: {WORLD} fresh interpreters run `import torch` at once (1 thread each)"
-ROWS = ["ours fork", "ours forkserver, cold (first start in the kernel)",
+EARLY = f"forkserver, started early ({PREWARM_WAIT_S:g} s after import, as in a kernel)"
+ROWS = ["ours fork", "ours forkserver, cold (first start in the kernel)", f"ours {EARLY}",
         "ours forkserver, warm (second start in the same kernel)", "ours spawn", "ipyparallel engines up",
         IPP_FULL, TORCH_ONE, TORCH_FOUR]  # fmt: skip
 
@@ -767,11 +784,12 @@ def summarize(result: dict) -> dict:
     for row, cell in start.items():
         if row.startswith("ours") and "warm" not in row:
             for col, what in (("a", "kernel had torch"), ("b", "incl. import torch")):
+                # issue #19: a forkserver session started 5 s after the import, <= 1.5 s
+                bound = EARLY_TARGET_S if (row == f"ours {EARLY}" and col == "a") else START_TARGET_S
                 if cell[col]:
                     v = med(cell[col])
                     targets.append({"what": f"start, {row}, {what}", "value": f"{v:.2f} s",
-                                    "target": f"<= {START_TARGET_S:g} s",
-                                    "met": "yes" if v <= START_TARGET_S else "NO"})  # fmt: skip
+                                    "target": f"<= {bound:g} s", "met": "yes" if v <= bound else "NO"})  # fmt: skip
     for row in (f"ours, {WORLD} ranks", "ours, rank 0"):
         if rt.get(row):
             v = med(rt[row]) * 1e3
@@ -899,6 +917,8 @@ def main(argv=None) -> int:
         help="calls per layer timed inside the kernel afterwards (0: skip)",
     )
     parser.add_argument("--kernel-only", action="store_true", help="only the real-kernel measurement")
+    parser.add_argument("--only", nargs="+", metavar="CONFIG", help="only these start configurations "
+                        "(e.g. 'ours forkserver-early' 'ours fork'); no round trip")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write every sample here")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -926,7 +946,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     result, summary = {}, {}
     if not options.kernel_only:
-        result = measure(options.reps, options.floor_reps, options.calls, options.warmup, options.block)
+        result = measure(options.reps, options.floor_reps, options.calls, options.warmup, options.block,
+                         options.only)  # fmt: skip
     if options.kernel_calls > 0:
         result["kernel"] = measure_kernel(options.kernel_calls, options.kernel_warmup, options.kernel_block,
                                           options.kernel_breakdown)  # fmt: skip

@@ -88,9 +88,10 @@ _current.register_machine_provider(_machine)
 _cuda_init.install()
 
 if "ipykernel" in sys.modules:  # in a kernel: launches get the live panel and `Cell In[N]` labels
-    from .jupyter import register_frontend
+    from .jupyter import prewarm, register_frontend
 
     register_frontend()
+    prewarm()  # and a forkserver, booting in the background for the first launch
 
 
 def _jupyter_labextension_paths():

@@ -15,9 +15,11 @@ from notebook_accel.demo import _kernel_manager_class
 
 @pytest.fixture
 def kernel(tmp_path, request):
-    widgets = getattr(request, "param", "0")
+    # indirect parameter: NOTEBOOK_ACCEL_WIDGETS's value, or a dict of variables for the kernel
+    param = getattr(request, "param", "0")
+    extra = param if isinstance(param, dict) else {"NOTEBOOK_ACCEL_WIDGETS": param}
     km: KernelManager = _kernel_manager_class()(kernel_name="python3")
-    env = {**os.environ, "NOTEBOOK_ACCEL_WIDGETS": widgets, "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+    env = {**os.environ, "NOTEBOOK_ACCEL_WIDGETS": "0", "PYDEVD_DISABLE_FILE_VALIDATION": "1", **extra}
     km.start_kernel(env=env, extra_arguments=["--IPKernelApp.log_level=ERROR"], cwd=str(tmp_path))
     kc = km.client()
     kc.start_channels()
@@ -78,8 +80,20 @@ def alive(process) -> bool:
         return False
 
 
-def kernel_children(km) -> list:
-    return [p for p in psutil.Process(km.provisioner.pid).children(recursive=True) if alive(p)]
+def kernel_children(km, helpers: bool = False) -> list:
+    """The kernel's live descendants; without `helpers`, less its warm forkserver (the process
+    itself, not its ranks), which a kernel keeps up by design once notebook_accel is imported."""
+    found = [p for p in psutil.Process(km.provisioner.pid).children(recursive=True) if alive(p)]
+    if helpers:
+        return found
+    return [p for p in found if not (p.ppid() == km.provisioner.pid and _is_forkserver(p))]
+
+
+def _is_forkserver(process) -> bool:
+    try:
+        return "notebook_accel.launch.warm" in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
 
 
 def wait_for_files(folder, names, timeout=30.0) -> None:

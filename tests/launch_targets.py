@@ -251,3 +251,27 @@ def outgrow_cgroup(cgroup_dir: str, go_path: str) -> None:
             block[i] = 1
         blocks.append(block)
         time.sleep(0.01)
+
+
+def where_this_rank_runs(name: str) -> dict:
+    """What a rank sees of its launcher: its parent, priority, one variable, sys.path and folder."""
+    return {
+        "ppid": os.getppid(),
+        "priority": os.getpriority(os.PRIO_PROCESS, 0),
+        "variable": os.environ.get(name),
+        "path": list(sys.path),
+        "cwd": os.getcwd(),
+    }
+
+
+def servers_a_rank_starts() -> list:
+    """A rank importing notebook_accel and asking for an early forkserver: what processes it starts."""
+    import psutil
+
+    import notebook_accel  # noqa: F401
+    from notebook_accel.jupyter import prewarm as in_a_kernel
+    from notebook_accel.launch import prewarm
+
+    in_a_kernel()
+    prewarm.start()
+    return [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]

@@ -204,10 +204,13 @@ CELLS = {
     "env": "%accelerate env",
     "hardware": "%accelerate hardware",
     "bad_line": "%accelerate fly",
-    # The elastic cell started multiprocessing's forkserver and resource tracker: both stay up for
-    # later launches by design (as in test_launcher_elastic.py). Any other child is a rank left behind.
+    # The elastic cell started multiprocessing's forkserver and resource tracker, and importing
+    # notebook_accel our own forkserver: all stay up for later launches by design (as in
+    # test_launcher_elastic.py). Any other child is a rank left behind.
     "alive": "import psutil\nfrom multiprocessing import forkserver, resource_tracker\n"
-    "helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid}\n"
+    "from notebook_accel.launch.warm import WarmServer\n"
+    "helpers = {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid,\n"
+    "           WarmServer._instance and WarmServer._instance.proc.pid}\n"
     "left = [p for p in psutil.Process().children(recursive=True) if p.pid not in helpers]\n"
     'print("ALIVE", len(left), "HELPERS", len(helpers - {None}), [p.cmdline() for p in left])',
     "unload": "%unload_ext notebook_accel",

@@ -139,7 +139,7 @@ def test_workers_die_with_the_kernel(kernel, end, start_method):
     ok(kc, f"%load_ext notebook_accel\n%accelerate start -n 2 --start-method {start_method}", timeout=180)
     pids = worker_pids(kc)
     assert len(pids) == 2 and all(alive(p) for p in pids)
-    processes = kernel_children(km)  # the workers (and their warm server), whatever they started
+    processes = kernel_children(km, helpers=True)  # the workers, the warm server, whatever they started
     assert set(pids) <= {p.pid for p in processes}, (pids, processes)
     if start_method == "forkserver":
         assert warm_server(processes, pids) in processes

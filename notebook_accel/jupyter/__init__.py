@@ -69,12 +69,22 @@ def register_frontend() -> None:
     frontend.register(sinks=launch_sinks, traceback_labeller=label_cells)
 
 
+def prewarm() -> None:
+    """In a kernel, start the warm forkserver in the background (launch/prewarm.py): the first
+    `forkserver` launch or session then finds it booted. NOTEBOOK_ACCEL_PREWARM=0 turns it off."""
+    if in_kernel():
+        from ..launch import prewarm as early
+
+        early.start()
+
+
 def load_ipython_extension(ipython) -> None:
     """`%load_ext notebook_accel`: register %accelerate and %%accelerate."""
     from .comm import register_comm_target
     from .magics import AccelerateMagics
 
     register_frontend()
+    prewarm()
     ipython.register_magics(AccelerateMagics)
     register_comm_target(ipython)  # the JupyterLab extension's link to this kernel
 

@@ -2,11 +2,14 @@
 
 It never runs a parallel torch op, so its children are safe from the GNU OpenMP fork hang, and a
 launch from a kernel that already computed costs a fork, not an interpreter start plus torch import.
-One server per launching process; it exits when that process goes away (its stdin closes).
+One server per launching process; it exits when that process goes away (its stdin closes), even
+while it is still importing. A kernel starts it early, without waiting for it (launch/prewarm.py):
+the first launch then waits for that server instead of starting another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import select
@@ -19,11 +22,10 @@ import threading
 import time
 from typing import Optional
 
-from . import child
-from .channel import recv_frame, recv_frame_with_fds, send_frame, send_frame_with_fds
-from .procs import end_group
+# The rest of launch/ is imported where it is used: a kernel imports this module to start the
+# server early (prewarm), and that import is part of `import notebook_accel`.
 
-SERVER_START_S = 120.0  # importing torch there takes about 2 s; past this it is stuck, not slow
+SERVER_START_S = 120.0  # booting (torch, torch._dynamo) takes about 4.5 s; past this it is stuck, not slow
 SERVER_CODE = "from notebook_accel.launch.warm import serve; serve()"
 # torch._dynamo: DistributedDataParallel imports it at construction, about 1 s per rank otherwise.
 PRELOAD = (
@@ -40,9 +42,13 @@ PRELOAD = (
 def serve() -> None:
     import importlib
 
+    from .channel import send_frame
+    from .procs import end_group
+
     sock = socket.socket(fileno=int(os.environ.pop("NOTEBOOK_ACCEL_SERVER_FD")))
-    for name in PRELOAD:
-        importlib.import_module(name)
+    with _exit_with_parent_while_booting():
+        for name in PRELOAD:
+            importlib.import_module(name)
     send_frame(sock, ("ready", os.getpid()))
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ, "request")
@@ -82,11 +88,40 @@ def serve() -> None:
             send_frame(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
 
 
+@contextlib.contextmanager
+def _exit_with_parent_while_booting():
+    """A kernel may go while its server still imports torch (seconds): leave at once, not after.
+    The watching thread is gone before the first fork, so ranks come from a one-thread process."""
+    stop_r, stop_w = os.pipe()
+
+    def watch() -> None:
+        while True:
+            readable = select.select([0, stop_r], [], [])[0]
+            if stop_r in readable:
+                return
+            if not os.read(0, 1024):
+                os._exit(0)
+
+    watcher = threading.Thread(target=watch, name="lifeline", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        os.write(stop_w, b"x")
+        watcher.join()
+        os.close(stop_r)
+        os.close(stop_w)
+
+
 def _recv_request(sock: socket.socket):
+    from .channel import recv_frame_with_fds
+
     return recv_frame_with_fds(sock, 3)
 
 
 def _fork_rank(request: dict, fds: list, server_sock: socket.socket) -> int:
+    from . import child
+
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -95,6 +130,7 @@ def _fork_rank(request: dict, fds: list, server_sock: socket.socket) -> int:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             server_sock.close()
+            _enter_launcher_context(request["context"])
             payload = request["payload"]
 
             def load():
@@ -110,13 +146,27 @@ def _fork_rank(request: dict, fds: list, server_sock: socket.socket) -> int:
     return pid
 
 
+def _enter_launcher_context(context: tuple) -> None:
+    # The launching process's environment, sys.path and folder as they are now, not as they were
+    # when the server started (at import, with prewarm): a forkserver rank sees what a fork rank sees.
+    environ, path, cwd = context
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass  # the folder is gone: stay where the server is
+
+
 # -- client side ------------------------------------------------------------------------------
 class ForkserverLost(RuntimeError):
     """The forkserver exited while it had ranks (killed, or out of memory): they are gone with it."""
 
 
 class WarmServer:
-    """The parent's connection to its forkserver; `WarmServer.get()` starts it on first use.
+    """The parent's connection to its forkserver; `WarmServer.get()` starts it on first use and
+    waits until it is ready, `WarmServer.prewarm()` starts it without waiting.
 
     Any thread may launch through it: one start at a time (`_starting`), and one reader or writer
     of the socket at a time (`_io`), so frames never interleave; whatever a thread reads is kept
@@ -125,6 +175,7 @@ class WarmServer:
 
     _instance: Optional["WarmServer"] = None
     _lock = threading.Lock()
+    _inherited: list = []  # in a forked child: the parent's server, its descriptors closed
 
     def __init__(self) -> None:
         mine, theirs = socket.socketpair()
@@ -133,6 +184,7 @@ class WarmServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         # A server that has never run a parallel op may keep the default thread count.
         env.pop("OMP_NUM_THREADS", None)
+        # No lowered priority (nice): its ranks would inherit it, and cannot raise it back.
         self.proc = subprocess.Popen(
             [sys.executable, "-c", SERVER_CODE],
             stdin=subprocess.PIPE,
@@ -142,42 +194,74 @@ class WarmServer:
         )
         theirs.close()
         self.sock = mine
+        self.pid: Optional[int] = None  # once it says ready
+        self._deadline = time.monotonic() + SERVER_START_S
         self.exits: dict = {}  # pid -> exit code, until its owner asks
         self.pids: dict = {}  # (token, local_rank) -> pid, until its owner asks
         self.lost = ""  # why the server is gone, once it is
         self._io = threading.Lock()
         self._starting = threading.Lock()
         self._tokens = itertools.count(1)
-        try:
-            self.pid = self._ready()
-        except BaseException:
-            self.close()
-            raise
 
-    def _ready(self) -> int:
-        self._ready_pid = None
-        deadline = time.monotonic() + SERVER_START_S
-        while self._ready_pid is None:
+    def _ready(self) -> None:
+        while self.pid is None:
             with self._io:
                 self._read_one(1.0)
             if self.lost:
                 raise ForkserverLost(f"notebook_accel's forkserver failed to start: {self.lost}")
-            if time.monotonic() > deadline:
+            if time.monotonic() > self._deadline:
                 raise ForkserverLost(
                     f"notebook_accel's forkserver did not start within {SERVER_START_S:g} s (importing torch "
                     "there hung?); use start_method='spawn' or 'fork'"
                 )
-        return self._ready_pid
 
     @classmethod
     def get(cls) -> "WarmServer":
+        """The ready server: one still booting (prewarm) is waited for, never started twice."""
         with cls._lock:
-            old = cls._instance
-            if old is None or old.lost or old.proc.poll() is not None:
-                if old is not None:
-                    old.close()  # reaps it: a dead server is no zombie
-                cls._instance = cls()
-            return cls._instance
+            server = cls._current()
+            if server.pid is None:
+                try:
+                    server._ready()
+                except BaseException:
+                    server.close()
+                    cls._instance = None
+                    raise
+            return server
+
+    @classmethod
+    def prewarm(cls) -> Optional["WarmServer"]:
+        """Start the server if there is none, and return at once (a Popen: milliseconds)."""
+        if not cls._lock.acquire(blocking=False):
+            return cls._instance  # a launch is starting one, or waiting for it: never wait here
+        try:
+            return cls._current()
+        finally:
+            cls._lock.release()
+
+    @classmethod
+    def _current(cls) -> "WarmServer":
+        old = cls._instance
+        if old is None or old.lost or old.proc.poll() is not None:
+            cls._instance = None
+            if old is not None:
+                old.close()  # reaps it: a dead server is no zombie
+            cls._instance = cls()
+        return cls._instance
+
+    @classmethod
+    def _forget_in_child(cls) -> None:
+        # A process forked from here (a fork rank, the elastic agent) must not hold the server's
+        # lifeline, or the server outlives its kernel while that process lives.
+        server, cls._instance = cls._instance, None
+        cls._lock = threading.Lock()
+        if server is not None:
+            cls._inherited.append(server)  # never collected: its Popen is not this process's child
+            for stream in (server.sock, server.proc.stdin):
+                try:
+                    stream.close()
+                except Exception:
+                    pass
 
     @classmethod
     def shutdown(cls) -> None:
@@ -201,6 +285,7 @@ class WarmServer:
         """Start ranks from (local_rank, rank, env, threads, payload) tuples; all requests go out
         before any reply is awaited, so the server forks them back to back. Past `deadline`
         (time.monotonic()) this raises LaunchTimeoutError."""
+        from .channel import send_frame_with_fds
         from .procs import RankProcess, _channels
 
         wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
@@ -210,12 +295,13 @@ class WarmServer:
             raise LaunchTimeoutError("while waiting for another launch to start its ranks")
         try:
             token = next(self._tokens)
+            context = (dict(os.environ), list(sys.path), _cwd())
             parents_by_rank = {}
             with self._io:
                 for local_rank, rank, env, threads, payload in requests:
                     parents, children = _channels()
                     request = {"token": token, "local_rank": local_rank, "rank": rank, "env": env}
-                    request.update(threads=threads, payload=payload)
+                    request.update(threads=threads, payload=payload, context=context)
                     try:
                         send_frame_with_fds(self.sock, request, [c.fileno() for c in children])
                     except OSError as exc:
@@ -275,6 +361,8 @@ class WarmServer:
         """One frame, if one arrives within `timeout` s; call with `_io` held."""
         if self.lost or not select.select([self.sock], [], [], timeout)[0]:
             return False
+        from .channel import recv_frame
+
         try:
             message = recv_frame(self.sock)
         except (EOFError, OSError):
@@ -286,7 +374,7 @@ class WarmServer:
         elif kind == "pid":
             self.pids[(message[1], message[2])] = message[3]
         elif kind == "ready":
-            self._ready_pid = message[1]
+            self.pid = message[1]
         return True
 
     def _lose(self, how: str = "") -> None:
@@ -305,6 +393,16 @@ class WarmServer:
 
     def exit_status(self, pid: int) -> Optional[int]:
         return self.exits.pop(pid, None) if pid in self.exits else None
+
+
+os.register_at_fork(after_in_child=WarmServer._forget_in_child)
+
+
+def _cwd() -> str:
+    try:
+        return os.getcwd()
+    except OSError:  # this process's folder was deleted
+        return ""
 
 
 def _left(deadline: Optional[float], most: float) -> float:

@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(BIN)/python -m notebook_accel.demo notebooks/quickstart.ipynb
 
 test: $(STAMP) browser labextension-dev test-extension layers test-py312
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # Python 3.12 (Colab's and Kaggle's) beside the dev venv's 3.11: a smoke subset (a fork and a spawn
 # launch, the %%accelerate magic in a kernel, the quickstart notebook). No CPU torch wheel for cp312

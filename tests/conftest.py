@@ -8,6 +8,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Tests that need a config set NOTEBOOK_ACCEL_CONFIG_FILE themselves.
 os.environ["NOTEBOOK_ACCEL_CONFIG_FILE"] = os.path.join(os.path.dirname(__file__), "no-such-config.yaml")
 
+# The suite starts many kernels; each would boot a forkserver on import (about 4.5 s of a core and
+# 230 MiB) that few of them use. Off here; tests/test_prewarm.py turns it back on for its own tests.
+os.environ["NOTEBOOK_ACCEL_PREWARM"] = "0"
+
 import time  # noqa: E402
 
 import pytest  # noqa: E402

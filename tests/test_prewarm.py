@@ -27,6 +27,12 @@ SERVER = "notebook_accel.launch.warm"
 TESTS = os.path.dirname(__file__)
 
 
+@pytest.fixture(autouse=True)
+def prewarm_as_by_default(monkeypatch):
+    # conftest.py turns prewarm off for the rest of the suite; here it is what a user gets.
+    monkeypatch.delenv(prewarm.ENV, raising=False)
+
+
 @pytest.fixture
 def no_server(monkeypatch):
     monkeypatch.delenv(prewarm.ENV, raising=False)

@@ -7,6 +7,7 @@ finishes, and the test checks that no process that could still write it survives
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import multiprocessing
 import os
@@ -469,29 +470,30 @@ def test_a_launch_without_a_port_runs_while_29500_is_held(no_orphans):
     no_orphans()
 
 
-def _squatted_first(monkeypatch, squatter: socket.socket, times: int) -> list:
-    """ports.reserve hands out `squatter`'s port `times` times (another program took the picked port
-    before rank 0 could listen on it), then free ones. Returns the ports it handed out."""
+@contextlib.contextmanager
+def _squatted_first(monkeypatch, times: int):
+    """ports.reserve hands out the port a real listener squats on `times` times (another program
+    took the picked port before rank 0 could listen on it), then free ones. Yields the ports given."""
     from notebook_accel.launch import ports as ports_module
 
     real, given = ports_module.reserve, []
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
 
-    def reserve(addr="127.0.0.1"):
-        port = squatter.getsockname()[1] if len(given) < times else real(addr)
-        given.append(port)
-        return port
+        def reserve(addr="127.0.0.1"):
+            port = squatter.getsockname()[1] if len(given) < times else real(addr)
+            given.append(port)
+            return port
 
-    monkeypatch.setattr(ports_module, "reserve", reserve)
-    return given
+        monkeypatch.setattr(ports_module, "reserve", reserve)
+        yield given
 
 
 @pytest.mark.timeout(120)
 def test_a_picked_port_taken_before_rank_0_listens_is_retried_with_another(monkeypatch, no_orphans):
     sink = ListSink()
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        given = _squatted_first(monkeypatch, squatter, times=1)
+    with _squatted_first(monkeypatch, times=1) as given:
         results = notebook_launcher(targets.rank_info, num_processes=2, cpu=True, sinks=[sink])
     assert len(given) == 2 and given[0] != given[1]
     assert [r["master_port"] for r in results] == [given[1], given[1]] and [r["rank"] for r in results] == [0, 1]
@@ -505,10 +507,7 @@ def test_a_picked_port_taken_before_rank_0_listens_is_retried_with_another(monke
 @pytest.mark.timeout(180)
 def test_port_retries_end_with_the_ranks_own_error(monkeypatch, no_orphans):
     sink = ListSink()
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        given = _squatted_first(monkeypatch, squatter, times=10)
+    with _squatted_first(monkeypatch, times=10) as given:
         with pytest.raises(LaunchFailedError, match="EADDRINUSE"):
             notebook_launcher(targets.rank_info, num_processes=2, cpu=True, sinks=[sink])
     assert len(given) == 3  # the pick and two retries

@@ -148,3 +148,35 @@ def test_xmp_starting_no_process_is_an_error(tpu, monkeypatch, no_orphans):
     with pytest.raises(RuntimeError, match="xmp.spawn started no rank"):
         launch(targets.xla_rank, ("none",))
     no_orphans()
+
+
+@pytest.mark.timeout(60)
+def test_a_process_forked_after_the_tpu_starter_loaded_can_fork_again():
+    """xla.py's fork hooks take a lock around every fork: a child (an elastic agent, say) must get a
+    fresh lock for its own forks, not the copy of ours it inherited held (it hung on it)."""
+    import time
+
+    import notebook_accel.launch.starters.xla  # noqa: F401  (registers the hooks)
+
+    pid = os.fork()
+    if pid == 0:  # the child forks a grandchild and waits for it
+        code = 1
+        try:
+            grandchild = os.fork()
+            if grandchild == 0:
+                os._exit(0)
+            os.waitpid(grandchild, 0)
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("a process forked after starters/xla.py was imported hung in its own fork")
+    assert os.waitstatus_to_exitcode(status) == 0

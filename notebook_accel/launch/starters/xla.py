@@ -33,9 +33,25 @@ HELLO_WAIT_S = 10.0  # a process that connected must say who it is within this l
 
 # A process forked while a greeting holds a rank's socket ends would keep them open (the rank's
 # output would not end with it): xmp.spawn forks from its own thread, so greetings and forks take turns.
+# The hooks look the lock up when they run: a forked child gets a fresh one, and its own forks
+# (an elastic agent's ranks) must take that one, not the copy of ours it inherited held.
 _greeting = threading.Lock()
-os.register_at_fork(before=_greeting.acquire, after_in_parent=_greeting.release)
-os.register_at_fork(after_in_child=lambda: globals().update(_greeting=threading.Lock()))
+
+
+def _before_fork() -> None:
+    _greeting.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _greeting.release()
+
+
+def _after_fork_in_child() -> None:
+    global _greeting
+    _greeting = threading.Lock()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def _spawn(function, args, start_method: str) -> None:

@@ -98,8 +98,8 @@ class Reader(threading.Thread):
                 sock, _ = self.listener.accept()
             except OSError:
                 break
+            self.pool.on_dropped_connection()  # counted before the close a stranger can see
             sock.close()
-            self.pool.on_dropped_connection()
         self._unregister(self.listener)
         self.listener.close()
         self.listener = None
@@ -112,8 +112,8 @@ class Reader(threading.Thread):
             except OSError:  # none left (BlockingIOError), or one that was gone before we took it
                 return
             if len(self.unbound) >= MAX_UNBOUND:
-                sock.close()
                 self.pool.on_dropped_connection()
+                sock.close()
                 continue
             try:
                 sock.setblocking(True)  # the pool sends on it from the caller's thread
@@ -127,8 +127,8 @@ class Reader(threading.Thread):
 
     def _drop_silent(self, now: float) -> None:
         for conn in [c for c in self.unbound if c.deadline <= now]:
-            self._close(conn)
             self.pool.on_dropped_connection()
+            self._close(conn)
 
     def _read_channel(self, conn: _Conn) -> None:
         try:
@@ -137,9 +137,9 @@ class Reader(threading.Thread):
             # One connection's bytes never end the reader: that connection goes, the rest go on.
             if conn.rank is not None:  # a signed frame we fail on is our bug: say so
                 traceback.print_exc(file=sys.__stderr__)
+            self.pool.on_dropped_connection()
             if not conn.closed:
                 self._close(conn)
-            self.pool.on_dropped_connection()
 
     def _read_frames(self, conn: _Conn) -> None:
         try:

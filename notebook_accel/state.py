@@ -18,7 +18,7 @@ import torch
 
 from . import hardware
 from .placement import resolve_placement
-from .utils import current, families
+from .utils import current, families, peers
 from .utils.dataclasses import DistributedType, parse_mixed_precision
 from .utils.environment import DEBUG_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV, parse_bool, read_launch_env
 
@@ -71,18 +71,11 @@ def _init_process_group(
         kwargs["timeout"] = timeout
     if init_method is not None:  # InitProcessGroupKwargs(init_method=...): the user's rendezvous
         kwargs["init_method"] = init_method
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if init_method is None and attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torch's static rendezvous keeps one agent store across restarts with no per-attempt
-        # prefix, so a restarted rank can read a dead peer's address and fail to connect.
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            env.world_size,
-            is_master=False,
-            timeout=timeout or datetime.timedelta(minutes=30),
-        )
-        kwargs["store"] = dist.PrefixStore(f"/notebook_accel/attempt_{attempt}", store)
+    peers.joined = True
+    store = peers.attempt_store(env.world_size, timeout) if init_method is None else None
+    if store is not None:  # under torch elastic: see utils/peers.py
+        peers.wait_for_peers(store, env.rank, env.world_size, timeout)
+        kwargs["store"] = store
     dist.init_process_group(**kwargs)
     if backend == "gloo" and env.world_size > 1:
         # gloo's init can return on one rank while a peer is still connecting to it; a rank that then

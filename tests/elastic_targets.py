@@ -66,3 +66,36 @@ def take_the_token(queue, lock):
     if token is not None:
         raise RuntimeError(f"rank {os.environ['RANK']} took the token on attempt {attempt}")
     return int(os.environ["RANK"]), attempt
+
+
+def only_rank_1_creates_the_state():
+    """Rank 0 returns without the state; rank 1 creates it after that: the group can never form."""
+    import time
+
+    if os.environ["RANK"] == "0":
+        return "left"
+    time.sleep(1.0)  # rank 0 has returned by now
+    from notebook_accel import PartialState
+
+    PartialState()
+    return "joined"
+
+
+class SlowToPickle:
+    """Pickled by the queue's feeder thread after put() returned: slow, so an exit that skips the
+    flush loses it. Unpickles to a plain string."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __reduce__(self):
+        import time
+
+        time.sleep(0.5)
+        return (str, (self.text,))
+
+
+def put_then_fail(queue):
+    """Each rank puts one item in an inherited fork-context queue and fails at once."""
+    queue.put(SlowToPickle(f"from rank {os.environ['RANK']}"))
+    raise RuntimeError("failing right after a put")

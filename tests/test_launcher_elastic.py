@@ -7,7 +7,14 @@ import sys
 
 import psutil
 import pytest
-from elastic_targets import always_fail, fail_once, ranks_and_sum, take_the_token
+from elastic_targets import (
+    always_fail,
+    fail_once,
+    only_rank_1_creates_the_state,
+    put_then_fail,
+    ranks_and_sum,
+    take_the_token,
+)
 
 from notebook_accel import notebook_launcher
 from notebook_accel.launch import LaunchFailedError, ListSink, RankOutput
@@ -113,6 +120,30 @@ def test_fork_restarts_inherit_what_cannot_be_pickled(no_new_children):
     assert queue.empty()
     final = [e.text for e in sink.events if isinstance(e, RankOutput) and e.text.endswith("token None")]
     assert len(final) >= 2, final
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_joining_after_a_peer_returned_without_the_state_fails_at_once(no_new_children):
+    # torch's init waits 30 minutes for a rank that has already returned; ours says so at once,
+    # on every attempt (the launch used to hang here: accelerate's test_notebook met it).
+    with pytest.raises(LaunchFailedError) as info:
+        notebook_launcher(only_rank_1_creates_the_state, num_processes=2, max_restarts=1, use_port="auto", sinks=[])
+    text = str(info.value)
+    assert "rank 1 is joining the process group" in text
+    assert "rank(s) 0 already returned from the function without creating the state" in text
+
+
+@pytest.mark.timeout(90)
+def test_what_a_failing_elastic_rank_put_in_a_queue_arrives(no_new_children):
+    import multiprocessing
+
+    queue = multiprocessing.get_context("fork").Queue()
+    with pytest.raises(LaunchFailedError, match="failing right after a put"):
+        notebook_launcher(
+            put_then_fail, (queue,), num_processes=2, max_restarts=0, rdzv_backend="c10d", use_port="auto", sinks=[]
+        )
+    items = sorted(queue.get(timeout=5) for _ in range(2))
+    assert items == ["from rank 0", "from rank 1"]
 
 
 @pytest.mark.timeout(90)

@@ -180,7 +180,7 @@ def _fork_rank(parents, children, rank: int, env: dict, threads: int, function, 
             sock.close()
         fds = tuple(c.detach() for c in children)
         code = child.run(rank, fds, env, threads, lambda: (function, args))
-        _exit_like_multiprocessing()
+        exit_like_multiprocessing()
     finally:
         os._exit(code)
 
@@ -198,7 +198,7 @@ def _after_fork_like_multiprocessing() -> None:
     mp_util._run_after_forkers()
 
 
-def _exit_like_multiprocessing() -> None:
+def exit_like_multiprocessing() -> None:
     # os._exit skips multiprocessing's exit hook, which flushes Queue feeder threads: without it an
     # item a rank put in an inherited multiprocessing.Queue just before returning can be lost.
     mp_util = sys.modules.get("multiprocessing.util")

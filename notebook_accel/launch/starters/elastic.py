@@ -24,7 +24,9 @@ import tempfile
 import threading
 import time
 
+from ...utils import peers
 from .. import events as ev
+from .. import procs
 from ..channel import RankChannel, recv_ready
 from ..errors import (
     LaunchFailedError,
@@ -233,8 +235,12 @@ def _entry(hub_path: str, env: dict, threads: int, target):
 
         return loads(target) if isinstance(target, bytes) else (target.function, target.args)
 
+    peers.joined = False
     code = child.run(rank, tuple(s.detach() for s in fds), env, threads, load)
-    if code != 0:
+    if code == 0:  # returned; if it never joined the group, ranks waiting to join can stop waiting
+        peers.say_left(rank, int(os.environ["WORLD_SIZE"]))
+    else:
+        procs.exit_like_multiprocessing()  # flush what it put in an inherited Queue, as a clean exit does
         os._exit(code)  # the traceback already went to the launcher; exit non-zero so the agent sees it
     return None
 

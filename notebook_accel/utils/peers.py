@@ -1,0 +1,86 @@
+"""Joining the process group under torch elastic without waiting for a rank that has gone.
+
+`init_process_group` waits up to its timeout (30 minutes by default) for every rank. Under torch
+elastic the agent's store outlives the workers, so a worker that returns from the function without
+ever creating the state says so there (`say_left`), and a rank that creates the state later checks
+for that while it waits for the others (`wait_for_peers`): such a group can never form, and an
+error now lets the agent restart the workers instead of the launch hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+_ARRIVED = "arrived"
+_LEFT = "left_without_state"
+
+joined = False  # set when this process starts joining a group; a worker that never did says so on exit
+
+
+def attempt_store(world_size: int, timeout: datetime.timedelta | None):
+    """This restart's view of the agent's store, or None when torch elastic lends no store.
+
+    torch's static rendezvous keeps one agent store across restarts with no per-attempt prefix, so
+    a restarted rank could read a dead peer's address: each attempt gets its own prefix."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout or datetime.timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"/notebook_accel/attempt_{attempt}", store)
+
+
+def _ours(store):
+    import torch.distributed as dist
+
+    return dist.PrefixStore("notebook_accel_peers", store)
+
+
+def wait_for_peers(store, rank: int, world_size: int, timeout: datetime.timedelta | None) -> None:
+    """Arrive, then wait until every rank has; raise at once if one returned without the state."""
+    peers = _ours(store)
+    arrived = peers.add(_ARRIVED, 1)
+    deadline = time.monotonic() + (timeout or datetime.timedelta(minutes=30)).total_seconds()
+    pause = 0.005
+    while arrived < world_size:
+        if peers.add(_LEFT, 0) > 0:
+            gone = [r for r in range(world_size) if peers.check([f"{_LEFT}/{r}"])]
+            names = ", ".join(str(r) for r in gone) or "another rank"
+            raise RuntimeError(
+                f"rank {rank} is joining the process group (PartialState() or Accelerator()), but "
+                f"rank(s) {names} already returned from the function without creating the state, so "
+                "the group can never form. Create the state on every rank, or on none. "
+                "(Under max_restarts the workers are restarted.)"
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"rank {rank}: only {arrived} of {world_size} ranks joined the process group before "
+                "the timeout; the others never created PartialState() or Accelerator()."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.25)
+        arrived = peers.add(_ARRIVED, 0)
+
+
+def say_left(rank: int, world_size: int) -> None:
+    """Called as a worker ends: if it never joined, tell ranks still waiting to join (best effort)."""
+    if joined:
+        return
+    try:
+        store = attempt_store(world_size, datetime.timedelta(seconds=5))
+        if store is None:
+            return
+        peers = _ours(store)
+        peers.set(f"{_LEFT}/{rank}", "1")
+        peers.add(_LEFT, 1)
+    except Exception:
+        pass  # the agent may be stopping the workers; a waiting rank then ends with them

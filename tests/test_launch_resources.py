@@ -38,13 +38,12 @@ class _GoWhenSampled(ListSink):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver", "elastic"])
 def test_ranks_resources_are_sampled_and_their_peaks_reported(method, tmp_path, no_orphans):
     sink = _GoWhenSampled(str(tmp_path / "go"), HELD * MiB)
+    how = {"start_method": method} if method != "elastic" else {"max_restarts": 1}  # the agent's workers
     try:
-        told = notebook_launcher(
-            hold_memory, (HELD, str(tmp_path / "go")), num_processes=2, start_method=method, sinks=[sink]
-        )
+        told = notebook_launcher(hold_memory, (HELD, str(tmp_path / "go")), num_processes=2, sinks=[sink], **how)
     finally:
         if method == "forkserver":
             WarmServer.shutdown()

@@ -46,7 +46,8 @@ class ResourceSampler:
         self.next_at = time.monotonic()  # the first tick learns every rank's cgroup at once
 
     def add(self, rank: int, pid: int) -> None:
-        """A rank that appeared after the start (xmp.spawn's, through the monitor's gate)."""
+        """A rank that appeared after the start (xmp.spawn's through the monitor's gate, an elastic
+        worker through the hub); a restarted rank's new process replaces the old, peaks and all."""
         self.ranks[rank] = _Rank(rank, pid)
 
     def due(self, now: float) -> bool:

@@ -36,6 +36,7 @@ from ..errors import (
     failure_from_exit,
 )
 from ..payload import loads_result
+from ..resources import ResourceSampler
 from .agent_process import AgentProcess, agent_failures
 
 NODE_WAIT_NOTICE_S = 5.0  # no worker yet after this long: say which nodes we are waiting for
@@ -275,6 +276,8 @@ class _Hub:
         self.outcomes: dict = {}  # local_rank -> (attempt, "result"/"error", value)
         self.channels: dict = {}  # (local_rank, attempt) -> RankChannel
         self.finished: set = set()  # (local_rank, attempt) whose outcome was reported
+        self.started: dict = {}  # (local_rank, attempt) -> when its RankStarted came
+        self.resources = ResourceSampler({})  # by global rank: a restart's worker replaces the last
 
     def serve_until(self, thread: threading.Thread, control) -> None:
         drained_at = None
@@ -289,13 +292,26 @@ class _Hub:
                 if not self.pids and thread.is_alive():
                     self.sink.handle(ev.LaunchNotice(self.waiting_text))
                 notice_at = None
-            reason = control.check(time.monotonic())
+            now = time.monotonic()
+            if self.resources.due(now):
+                for event in self.resources.sample(now, self._running()):
+                    self.sink.handle(event)
+            reason = control.check(now)
             if reason and thread.is_alive():
                 raise (LaunchTimeoutError if control.timed_out else LaunchStoppedError)(reason)
             if not thread.is_alive():
                 drained_at = drained_at or time.monotonic()
                 if self.open == 0 or time.monotonic() - drained_at > 2.0:
                     return
+
+    def _running(self) -> list:
+        """Global ranks of the workers that started and have not reported an outcome."""
+        latest = {}
+        for local_rank, attempt in self.pids:
+            latest[local_rank] = max(attempt, latest.get(local_rank, attempt))
+        return sorted(
+            {self.ranks[lr] for lr, attempt in latest.items() if (lr, attempt) not in self.finished}
+        )
 
     def _accept(self) -> None:
         while True:
@@ -349,6 +365,8 @@ class _Hub:
             if isinstance(event, ev.RankStarted):
                 self.ranks[local_rank] = chan.rank
                 self.pids[(local_rank, attempt)] = event.pid
+                self.started[(local_rank, attempt)] = time.monotonic()
+                self.resources.add(chan.rank, event.pid)
             self.sink.handle(event)
         if chan.outcome is not None and (local_rank, attempt) not in self.finished:
             self.finished.add((local_rank, attempt))
@@ -372,10 +390,13 @@ class _Hub:
     def _finished(self, local_rank: int, attempt: int, chan: RankChannel) -> None:
         kind = chan.outcome
         self.outcomes[local_rank] = (attempt, kind, chan.result if kind == "result" else chan.error)
+        peak_rss, peak_device = self.resources.peaks(chan.rank)  # sampled: the agent reaps the worker
+        peaks = {"peak_rss": peak_rss, "peak_device_memory": peak_device}
         if kind == "result":
-            self.sink.handle(ev.RankFinished(chan.rank, 0.0))
+            seconds = time.monotonic() - self.started.get((local_rank, attempt), time.monotonic())
+            self.sink.handle(ev.RankFinished(chan.rank, seconds, **peaks))
         else:
-            self.sink.handle(ev.RankFailed(chan.rank, chan.pid, 1, **chan.error))
+            self.sink.handle(ev.RankFailed(chan.rank, chan.pid, 1, **chan.error, **peaks))
 
     def _close(self, conn: _Conn) -> None:
         self.sel.unregister(conn.sock)
@@ -394,7 +415,9 @@ class _Hub:
         for local_rank, (attempt, kind, value) in sorted(self.outcomes.items()):
             if kind == "error":
                 rank = self.ranks.get(local_rank, local_rank)
-                reports.append(ev.RankFailed(rank, self.pids.get((local_rank, attempt)), 1, **value))
+                peak_rss, peak_device = self.resources.peaks(rank)
+                pid = self.pids.get((local_rank, attempt))
+                reports.append(ev.RankFailed(rank, pid, 1, **value, peak_rss=peak_rss, peak_device_memory=peak_device))
         return reports
 
     def results(self) -> list:

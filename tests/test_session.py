@@ -439,3 +439,35 @@ def test_no_notice_when_every_rank_fails_or_none_waits(lines, monkeypatch):
         s.run_cell("import time\nraise ValueError('all give up')")
         s.run_cell("import time, os\ntime.sleep(2 if os.environ['RANK'] == '0' else 0)")  # slow, nobody failed
     assert told == []
+
+
+@pytest.mark.timeout(120)
+def test_a_cells_ranks_are_sampled_while_it_runs_and_their_peaks_reported(lines):
+    # What the kernel's session does for the panel: CellEvents.sample() from the waiting thread.
+    from notebook_accel.launch import ListSink
+    from notebook_accel.launch import events as ev
+    from notebook_accel.session.cell_events import CellEvents
+
+    held = 300 << 20
+    with Session(2, cpu=True, on_output=lines) as s:
+        sink = ListSink()
+        cell = CellEvents(sink, [0, 1], 2, s.pids())
+        s.tick = cell.sample
+        source = (
+            f"block = bytearray({held})\n"
+            "for i in range(0, len(block), 4096):\n"
+            "    block[i] = 1\n"
+            "import time; time.sleep(2.5)\n"
+        )
+        replies = s.run_cell(source)
+        assert cell.replies(replies) == ()
+        s.tick = None
+        samples = [e for e in sink.events if isinstance(e, ev.RankResources)]
+        for rank in (0, 1):
+            mine = [e for e in samples if e.rank == rank]
+            assert any(e.rss >= held for e in mine), mine  # sampled while it held the block
+            assert all(e.cpu_percent >= 0 and e.memory_limit for e in mine), mine
+        finished = {e.rank: e for e in sink.events if isinstance(e, ev.RankFinished)}
+        assert set(finished) == {0, 1}
+        assert all(held <= e.peak_rss < 4 << 30 for e in finished.values()), finished
+        assert s.run_cell("len(block)")[0].result_repr == str(held)  # the worker kept it: a session

@@ -135,6 +135,7 @@ class KernelSession:
             return  # between cells (status, push, pull): the lines wait for the next cell
         for line in self.queue.take():
             cell.output(*line)
+        cell.sample()  # each rank's RSS and CPU, at most once a second
         cell.sink.poll()  # a quiet cell's panel appears once the cell has run a while
 
     def _stranded(self, failed: list, running: list) -> None:

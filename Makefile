@@ -107,6 +107,7 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python benchmarks/launch.py
 	$(BENCH_VENV)/bin/python benchmarks/step_overhead.py
 	$(BENCH_VENV)/bin/python benchmarks/offload.py
+	$(BENCH_VENV)/bin/python benchmarks/prefetch.py
 	$(BENCH_VENV)/bin/python benchmarks/session.py
 	$(BENCH_VENV)/bin/python benchmarks/fsdp.py
 

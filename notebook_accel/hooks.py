@@ -9,6 +9,7 @@ drops them back onto the meta device right after.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
@@ -16,6 +17,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
+from .utils import prefetch
 from .utils.modeling import named_module_tensors, set_module_tensor_to_device, to_torch_device
 from .utils.offload import PrefixedDataset
 from .utils.operations import send_to_device
@@ -39,6 +41,9 @@ _ADDED_ATTRIBUTES = "_notebook_accel_added_attributes"
 _MISSING = object()
 
 DeviceLike = Union[int, str, torch.device]
+_UNSET = object()
+# Read disk-offloaded weights ahead of their forward (utils/prefetch.py); "0" turns it off.
+PREFETCH = os.environ.get("NOTEBOOK_ACCEL_PREFETCH", "1").strip().lower()
 
 
 class ModelHook:
@@ -227,6 +232,7 @@ class AlignDevicesHook(ModelHook):
         self.tied_params_names: set = set()
         self.tied_params_map = tied_params_map
         self._tied_to_release: set = set()
+        self._prefetcher = _UNSET  # the weights map's read-ahead (utils/prefetch.py), found on first use
 
     def __repr__(self) -> str:
         return (
@@ -291,8 +297,10 @@ class AlignDevicesHook(ModelHook):
             tied = self.tied_params_map
             # The map's inner keys are torch.device objects (0 and "cuda:0" are one device).
             target = to_torch_device(self.execution_device) if tied is not None else None
-            for name, _ in list(self._offloaded_tensors(module)):
-                value = self.weights_map[name]
+            names = [name for name, _ in self._offloaded_tensors(module)]
+            values = self._read(names)
+            for name in names:
+                value = values[name]
                 if tied is not None and value.data_ptr() in tied and target not in tied[value.data_ptr()]:
                     self._tied_to_release.add((value.data_ptr(), target))
                 set_module_tensor_to_device(
@@ -305,6 +313,15 @@ class AlignDevicesHook(ModelHook):
             send_to_device(kwargs, self.execution_device, skip_keys=self.skip_keys),
         )
 
+    def _read(self, names: list) -> dict:
+        weights_map = self.weights_map
+        if self._prefetcher is _UNSET:
+            on = prefetch.wanted(PREFETCH, self.execution_device)
+            self._prefetcher = prefetch.for_map(weights_map) if on else None
+        if self._prefetcher is None:
+            return {name: weights_map[name] for name in names}
+        return self._prefetcher.take(self, lambda: {name: weights_map[name] for name in names})
+
     def _release_tied(self):
         # Forget the tied weights this call materialised, so the next call's loads free them.
         for pointer, device in self._tied_to_release:
@@ -313,8 +330,13 @@ class AlignDevicesHook(ModelHook):
 
     def post_forward(self, module, output):
         if self.offload:
-            for name, _ in list(self._offloaded_tensors(module)):
+            held = []
+            for name, tensor in list(self._offloaded_tensors(module)):
+                held.append(tensor)
                 set_module_tensor_to_device(module, name, "meta")
+            if isinstance(self._prefetcher, prefetch.Prefetcher):
+                self._prefetcher.release(held)  # unmapping costs: done on the read-ahead thread
+            held = None
             self._release_tied()
         if self.io_same_device and self.input_device is not None:
             output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)

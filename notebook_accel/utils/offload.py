@@ -264,6 +264,7 @@ class OffloadedWeightsLoader(Mapping):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_handles"] = {}  # open files do not pickle; they are reopened on demand
+        state.pop("_notebook_accel_prefetcher", None)  # a thread: utils/prefetch.py makes a new one
         return state
 
 

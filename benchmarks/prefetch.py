@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from notebook_accel import disk_offload, hooks, init_empty_weights  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from offload import BATCH, WIDTH, _model_classes  # noqa: E402
+from offload import BATCH, WIDTH, _drop_caches, _model_classes  # noqa: E402
 from offload import _read_folder as _read  # noqa: E402
 
 MODES = ("0", "1")  # NOTEBOOK_ACCEL_PREFETCH: off, on (the default)
@@ -46,16 +46,6 @@ def _reset_hwm() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5\n")
-        return True
-    except OSError:
-        return False
-
-
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
         return True
     except OSError:
         return False

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from .utils import prefetch
 from .utils.modeling import named_module_tensors, set_module_tensor_to_device, to_torch_device
-from .utils.offload import PrefixedDataset
+from .utils.offload import PrefixedDataset, root_loader
 from .utils.operations import send_to_device
 
 __all__ = [
@@ -334,8 +334,12 @@ class AlignDevicesHook(ModelHook):
             for name, tensor in list(self._offloaded_tensors(module)):
                 held.append(tensor)
                 set_module_tensor_to_device(module, name, "meta")
+            loader = root_loader(self.weights_map)
+            pages = loader.release_pages if loader is not None and loader.index else None
             if isinstance(self._prefetcher, prefetch.Prefetcher):
-                self._prefetcher.release(held)  # unmapping costs: done on the read-ahead thread
+                self._prefetcher.release(held, pages)  # unmapping costs: done on the read-ahead thread
+            elif pages is not None:
+                pages(held)
             held = None
             self._release_tied()
         if self.io_same_device and self.input_device is not None:

@@ -221,6 +221,7 @@ class OffloadedWeightsLoader(Mapping):
         self.all_keys.extend(key for key in self.index if key not in self.state_dict)
         self.device = device
         self._handles = {}  # safetensors file -> open handle; opening parses the header each time
+        self._mapped: list = []  # (start, end) of the safetensors files those handles map
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self.state_dict:
@@ -247,10 +248,27 @@ class OffloadedWeightsLoader(Mapping):
             from safetensors import safe_open
 
             handle = self._handles[path] = safe_open(path, framework="pt", device="cpu")
-        tensor = handle.get_tensor(info.get("weight_name", key))
+            tensor = handle.get_tensor(info.get("weight_name", key))
+            self._mapped += _mappings_of(path, tensor.data_ptr())
+        else:
+            tensor = handle.get_tensor(info.get("weight_name", key))
         if "dtype" in info:
             tensor = tensor.to(dtype_from_name(info["dtype"]))
         return tensor
+
+    def release_pages(self, tensors) -> None:
+        """Let the kernel take back the pages of `tensors` that are views of a mapped safetensors
+        file (a hook is done with them): the next use reads them again from the page cache. Without
+        this, every disk block a forward used stays in the process's RSS while the file is open."""
+        from .prefetch import drop_pages
+
+        for tensor in tensors:
+            if tensor.device.type != "cpu" or tensor.numel() == 0:
+                continue
+            start = tensor.data_ptr()
+            end = start + tensor.numel() * tensor.element_size()
+            if any(low <= start and end <= high for low, high in self._mapped):  # never anonymous memory
+                drop_pages(start, end)
 
     def __iter__(self):
         return iter(self.all_keys)
@@ -264,8 +282,34 @@ class OffloadedWeightsLoader(Mapping):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_handles"] = {}  # open files do not pickle; they are reopened on demand
+        state["_mapped"] = []
         state.pop("_notebook_accel_prefetcher", None)  # a thread: utils/prefetch.py makes a new one
         return state
+
+
+def _mappings_of(path: str, address: int) -> list:
+    """The (start, end) of this process's mappings of `path` that hold `address` (Linux's
+    /proc/self/maps; [] elsewhere)."""
+    real = os.path.realpath(path)
+    found = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].strip() == real:
+                    low, high = (int(x, 16) for x in fields[0].split("-"))
+                    if low <= address < high:
+                        found.append((low, high))
+    except OSError:
+        pass
+    return found
+
+
+def root_loader(weights_map) -> Optional["OffloadedWeightsLoader"]:
+    """The OffloadedWeightsLoader under `weights_map` (through PrefixedDataset views), or None."""
+    while isinstance(weights_map, PrefixedDataset):
+        weights_map = weights_map.dataset
+    return weights_map if isinstance(weights_map, OffloadedWeightsLoader) else None
 
 
 def extract_submodules_state_dict(state_dict: dict, submodule_names) -> dict:

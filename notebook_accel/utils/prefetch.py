@@ -46,6 +46,15 @@ def touch(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def drop_pages(start: int, end: int) -> None:
+    """MADV_DONTNEED on the whole pages inside [start, end): for a file mapping nobody wrote to, the
+    pages leave the process's RSS and are read again from the page cache when next touched."""
+    first = -(-start // _PAGE) * _PAGE
+    last = end - end % _PAGE
+    if last > first:
+        _madvise(first, last - first, 4)  # MADV_DONTNEED
+
+
 _libc_madvise = None
 
 
@@ -115,21 +124,25 @@ class Prefetcher:
     def _read(load: Callable[[], dict]) -> dict:
         return {name: touch(tensor) for name, tensor in load().items()}
 
-    def release(self, tensors: list) -> None:
-        """Drop `tensors` (unmapping them) on the thread."""
+    def release(self, tensors: list, pages: Optional[Callable] = None) -> None:
+        """On the thread: `pages(tensors)` (the loader's release_pages), then drop them (unmapping)."""
         with self._lock:
-            self._executor().submit(tensors.clear)
+            self._executor().submit(_release, tensors, pages)
+
+
+def _release(tensors: list, pages: Optional[Callable]) -> None:
+    if pages is not None:
+        pages(tensors)
+    tensors.clear()
 
 
 def for_map(weights_map) -> Optional[Prefetcher]:
     """The prefetcher of the disk-backed map under `weights_map`, made on first use; None for a map
     of tensors already in memory (nothing to read ahead)."""
-    from .offload import OffloadedWeightsLoader, PrefixedDataset
+    from .offload import root_loader
 
-    root = weights_map
-    while isinstance(root, PrefixedDataset):
-        root = root.dataset
-    if not isinstance(root, OffloadedWeightsLoader) or not root.index:
+    root = root_loader(weights_map)
+    if root is None or not root.index:
         return None
     found = root.__dict__.get(_ATTRIBUTE)
     if found is None:

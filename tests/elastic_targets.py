@@ -96,6 +96,9 @@ class SlowToPickle:
 
 
 def put_then_fail(queue):
-    """Each rank puts one item in an inherited fork-context queue and fails at once."""
+    """Rank 0 puts one item in an inherited fork-context queue and fails at once; the others return
+    (a second failing rank could be stopped by the agent in the middle of its own flush)."""
+    if os.environ["RANK"] != "0":
+        return None
     queue.put(SlowToPickle(f"from rank {os.environ['RANK']}"))
     raise RuntimeError("failing right after a put")

@@ -143,6 +143,27 @@ def test_a_rank_killed_in_its_memory_cgroup_is_reported_out_of_memory(small_cgro
     no_orphans()
 
 
+@pytest.mark.timeout(120)
+def test_an_elastic_worker_killed_in_its_memory_cgroup_is_reported_out_of_memory(small_cgroup, tmp_path, no_orphans):
+    # The agent reaps elastic workers: the hub's samples give the peak and the cgroup's counter.
+    sink = _GoWhenInCgroup(tmp_path / "go", 200 * MiB)
+    with pytest.raises(LaunchFailedError) as caught:
+        notebook_launcher(
+            outgrow_cgroup, (str(small_cgroup), str(tmp_path / "go")), num_processes=2, max_restarts=0,
+            rdzv_backend="c10d", sinks=[sink], timeout=100,
+        )  # fmt: skip
+    failure = caught.value.reports[1]
+    assert failure.signal_name == "SIGKILL" and failure.oom == "certain", failure
+    name = "/" + str(small_cgroup.relative_to(_cgroup_v1_memory()))
+    assert failure.summary().startswith(
+        f"rank 1 was killed (SIGKILL), out of memory: its memory cgroup {name} counted an OOM kill (limit 200.0 MiB)"
+    ), failure.summary()
+    assert failure.peak_rss >= sink.rss_at_go  # sampled: at least what it held when it was told to go
+    assert 0 not in caught.value.reports  # rank 0 only met the agent's SIGTERM: stopped, not failed
+    assert [e.rank for e in sink.events if isinstance(e, ev.RankStopped)] == [0], sink.events
+    no_orphans()
+
+
 def test_the_launchers_own_memory_cgroup_is_found_and_read():
     found = oom.cgroup_of(os.getpid())
     if found is None:

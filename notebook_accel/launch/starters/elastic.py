@@ -116,8 +116,8 @@ def run(plan, payload, sink, control) -> list:
         raise NodesMissingError(_missing_text(plan, endpoint, conf, error)) from error
     if error is not None:
         reports = hub.final_failures()
-        if not reports:
-            reports = [failure_from_exit(*failure) for failure in agent_failures(error, ChildFailedError)]
+        told = {r.rank for r in reports}  # a worker the agent saw die (SIGKILL, OOM) told us nothing
+        reports += [hub.exit_report(*f) for f in agent_failures(error, ChildFailedError) if f[0] not in told]
         sink.handle(ev.LaunchFinished(False, time.monotonic() - started, tuple(r.rank for r in reports)))
         if reports:
             raise LaunchFailedError(reports) from error
@@ -171,6 +171,11 @@ class _AgentThread:
 
     def stop(self) -> None:
         pass  # the hub refuses new attempts and kills the running ones; the agent then gives up
+
+
+def _stopped_by_agent(error: dict) -> bool:
+    # torch elastic's workers turn the agent's SIGTERM into this exception (api._terminate_process_handler).
+    return (error.get("exc_type") or "").endswith("elastic.multiprocessing.api.SignalException")
 
 
 def _is_rendezvous_timeout(error: BaseException) -> bool:
@@ -389,12 +394,16 @@ class _Hub:
 
     def _finished(self, local_rank: int, attempt: int, chan: RankChannel) -> None:
         kind = chan.outcome
+        if kind == "error" and _stopped_by_agent(chan.error):
+            kind = "stopped"  # the agent's SIGTERM after another worker failed: fallout, not a failure
         self.outcomes[local_rank] = (attempt, kind, chan.result if kind == "result" else chan.error)
         peak_rss, peak_device = self.resources.peaks(chan.rank)  # sampled: the agent reaps the worker
         peaks = {"peak_rss": peak_rss, "peak_device_memory": peak_device}
         if kind == "result":
             seconds = time.monotonic() - self.started.get((local_rank, attempt), time.monotonic())
             self.sink.handle(ev.RankFinished(chan.rank, seconds, **peaks))
+        elif kind == "stopped":
+            self.sink.handle(ev.RankStopped(chan.rank, "stopped by the elastic agent after another rank failed"))
         else:
             self.sink.handle(ev.RankFailed(chan.rank, chan.pid, 1, **chan.error, **peaks))
 
@@ -409,6 +418,21 @@ class _Hub:
             if self.ranks.get(local_rank) == rank:
                 return kind
         return None
+
+    def exit_report(self, rank: int, pid, exitcode) -> ev.RankFailed:
+        """A worker the agent saw end without a report of its own: its exit, sampled peaks, and for
+        a SIGKILL whether memory killed it (see oom.diagnose)."""
+        import dataclasses
+        import signal
+
+        peak_rss, peak_device = self.resources.peaks(rank)
+        failure = dataclasses.replace(
+            failure_from_exit(rank, pid, exitcode), peak_rss=peak_rss, peak_device_memory=peak_device
+        )
+        if exitcode == -signal.SIGKILL:
+            oom, note = self.resources.oom(rank, peak_rss)
+            failure = dataclasses.replace(failure, oom=oom, memory_note=note)
+        return failure
 
     def final_failures(self) -> list:
         reports = []

@@ -335,11 +335,8 @@ class AlignDevicesHook(ModelHook):
                 held.append(tensor)
                 set_module_tensor_to_device(module, name, "meta")
             loader = root_loader(self.weights_map)
-            pages = loader.release_pages if loader is not None and loader.index else None
-            if isinstance(self._prefetcher, prefetch.Prefetcher):
-                self._prefetcher.release(held, pages)  # unmapping costs: done on the read-ahead thread
-            elif pages is not None:
-                pages(held)
+            if loader is not None and loader.index:
+                loader.release_pages(held)  # the file-backed pages leave RSS (mapped 2 MB at a time: cheap)
             held = None
             self._release_tied()
         if self.io_same_device and self.input_device is not None:

@@ -1,5 +1,6 @@
-"""Reading offloaded weights ahead (utils/prefetch.py): the next hook's weights are read on the
-background thread, outputs stay exact, memory stays bounded, and errors, forks and copies behave."""
+"""Reading offloaded weights ahead (utils/prefetch.py): the next hooks' weights are looked up while
+the one before runs, read from the disk on the background thread, outputs stay exact, memory stays
+bounded, and errors, forks and copies behave."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import multiprocessing
 import os
 import pickle
 import threading
-import weakref
 
 import pytest
 import torch
@@ -43,30 +43,6 @@ class Net(nn.Module):
         return x
 
 
-class Watched:
-    """Records, for each lookup of the disk-backed weights map, the thread and a weakref to the tensor."""
-
-    def __init__(self, monkeypatch):
-        self.lookups = []  # (key, thread name)
-        self.tensors = []  # weakrefs
-        self.lock = threading.Lock()
-        get = OffloadedWeightsLoader.__getitem__
-        watch = self
-
-        def getitem(loader, key):
-            tensor = get(loader, key)
-            with watch.lock:
-                watch.lookups.append((key, threading.current_thread().name))
-                watch.tensors.append(weakref.ref(tensor))
-            return tensor
-
-        monkeypatch.setattr(OffloadedWeightsLoader, "__getitem__", getitem)
-
-    def alive(self) -> int:
-        with self.lock:
-            return sum(1 for ref in self.tensors if ref() is not None)
-
-
 @pytest.fixture
 def offloaded(tmp_path, monkeypatch):
     from notebook_accel import hooks
@@ -81,55 +57,162 @@ def offloaded(tmp_path, monkeypatch):
     return model, x, reference, tmp_path / "offload"
 
 
+class Running:
+    """Which Linear's forward is running (a torch pre-hook runs before the offload hook reads), and
+    which one each lookup of the weights map was made under."""
+
+    def __init__(self, model, monkeypatch):
+        self.now = None
+        self.lookups = []  # (key, the Linear running)
+        self.touched = []  # (key, thread name) of every prefetch.touch
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_pre_hook(lambda m, a, name=name: setattr(self, "now", name))
+        get = OffloadedWeightsLoader.__getitem__
+
+        def getitem(loader, key):
+            self.lookups.append((key, self.now))
+            return get(loader, key)
+
+        monkeypatch.setattr(OffloadedWeightsLoader, "__getitem__", getitem)
+        touch = prefetch.touch
+
+        def watched_touch(tensor):
+            self.touched.append((tensor.data_ptr(), threading.current_thread().name))
+            return touch(tensor)
+
+        monkeypatch.setattr(prefetch, "touch", watched_touch)
+
+    def ahead(self) -> list:
+        """Keys looked up while another Linear was running: read ahead of their own forward."""
+        return [key for key, now in self.lookups if now is None or not key.startswith(now + ".")]
+
+
+def _evict(folder) -> None:
+    for name in os.listdir(folder):
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)  # only clean pages can be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean, unmapped pages leave the cache
+        finally:
+            os.close(fd)
+
+
 @pytest.mark.timeout(60)
-def test_the_next_hooks_weights_are_read_on_the_background_thread(offloaded, monkeypatch):
+def test_the_next_hooks_weights_are_looked_up_while_the_one_before_runs(offloaded, monkeypatch):
     model, x, reference, _ = offloaded
-    watched = Watched(monkeypatch)
+    running = Running(model, monkeypatch)
     with torch.no_grad():
-        for _ in range(3):
+        assert torch.equal(model(x), reference)  # the first forward learns the order
+        first = len(running.lookups)
+        assert running.ahead() == []
+        for _ in range(2):
             assert torch.equal(model(x), reference)  # exact, every time
     per_forward = 4 * DEPTH  # two Linear layers per block, weight and bias each
-    assert len(watched.lookups) == 3 * per_forward
-    later = watched.lookups[per_forward:]  # the first forward learns the order
-    ahead = [key for key, thread in later if thread.startswith("notebook_accel-prefetch")]
-    # Every hook but the first of each forward was read ahead (the first is read when it runs).
-    assert len(ahead) == 2 * (per_forward - 2), later
-
-
-def _mapped(folder) -> int:
-    """How many of the offload folder's files this process has mapped now."""
-    with open("/proc/self/maps") as maps:
-        return sum(1 for line in maps if str(folder) in line)
+    assert first == per_forward and len(running.lookups) == 3 * per_forward
+    # Every Linear but the first of each forward was looked up ahead (the first when it runs).
+    assert len(running.ahead()) == 2 * (per_forward - 2), running.lookups[per_forward:]
+    # In the page cache (just written), they were mapped then and there, not on the thread.
+    assert running.touched and all(not t.startswith("notebook_accel-prefetch") for _, t in running.touched)
 
 
 @pytest.mark.timeout(60)
-def test_memory_is_bounded_to_the_running_hook_and_one_ahead(offloaded):
-    model, x, reference, folder = offloaded
-    seen = []
-
-    def count(module, args):
-        seen.append(_mapped(folder))
-
-    for block in model.blocks:
-        for layer in (block.up, block.down):
-            layer.register_forward_pre_hook(count)
-    with torch.no_grad():
-        for _ in range(3):
-            assert torch.equal(model(x), reference)
-    # Each Linear maps 2 files: its own, the next one's read ahead, and the one before while its
-    # release waits its turn on the thread. Were nothing released, all 24 would stay mapped.
-    assert 0 < max(seen) <= 3 * 2, seen
-    assert _mapped(folder) <= 2 * 2  # between forwards: at most the last hook's, being released
-
-
-@pytest.mark.timeout(60)
-def test_a_read_that_fails_ahead_is_raised_by_the_forward_that_needs_it(offloaded):
+def test_weights_not_in_the_page_cache_are_read_on_the_background_thread(offloaded, monkeypatch):
     model, x, reference, folder = offloaded
     with torch.no_grad():
         assert torch.equal(model(x), reference)
-        os.remove(folder / "blocks.3.up.weight.dat")
-        with pytest.raises(ValueError, match=r"blocks\.3\.up\.weight\.dat .*it is missing"):
+        running = Running(model, monkeypatch)
+        _evict(folder)
+        assert torch.equal(model(x), reference)
+    on_thread = [t for _, t in running.touched if t.startswith("notebook_accel-prefetch")]
+    # All but the first Linear's weights and bias, read ahead from the disk on the thread.
+    assert len(on_thread) == 2 * (2 * DEPTH - 1), running.touched
+
+
+def _rss_of_folder(folder) -> int:
+    return _rss_of_files([os.path.join(folder, n) for n in os.listdir(folder)])
+
+
+@pytest.mark.timeout(60)
+def test_memory_is_bounded_to_the_running_hook_and_those_read_ahead(offloaded):
+    model, x, reference, folder = offloaded
+    seen = []
+    for block in model.blocks:
+        for layer in (block.up, block.down):
+            layer.register_forward_pre_hook(lambda m, a: seen.append(_rss_of_folder(folder)))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), reference)
+    page = os.sysconf("SC_PAGE_SIZE")
+    linear = -(-WIDTH * WIDTH * 4 // page) * page + page  # a weight's pages and a bias's page
+    # The running Linear and the AHEAD after it; were nothing released, all 12 would stay in RSS.
+    assert 0 < max(seen) <= (1 + prefetch.AHEAD) * linear, seen
+    assert _rss_of_folder(folder) <= prefetch.AHEAD * linear  # after a forward: only those ahead
+
+
+@pytest.mark.timeout(60)
+def test_a_lookup_that_fails_ahead_is_raised_by_the_forward_that_needs_it(offloaded, monkeypatch):
+    model, x, reference, folder = offloaded
+    done = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_hook(lambda m, a, out, name=name: done.append(name))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference)
+        get = OffloadedWeightsLoader.__getitem__
+
+        def getitem(loader, key):
+            if key == "blocks.3.up.weight":
+                raise OSError(f"cannot read {key}")
+            return get(loader, key)
+
+        monkeypatch.setattr(OffloadedWeightsLoader, "__getitem__", getitem)
+        done.clear()
+        with pytest.raises(OSError, match=r"cannot read blocks\.3\.up\.weight"):
             model(x)
+    # It was looked up while blocks.2.up ran; the Linears before blocks.3.up all finished.
+    assert done[-1] == "blocks.2.down", done
+
+
+@pytest.mark.timeout(60)
+def test_the_loader_keeps_one_map_per_file_advised_for_2mb_folios(tmp_path):
+    from notebook_accel.utils.offload import offload_weight
+
+    weight = torch.randn(1024, 1024)  # 4 MB: worth 2 MB folios
+    index = offload_weight(weight, "w", str(tmp_path))
+    offload_weight(torch.randn(3), "b", str(tmp_path), index)
+    loader = OffloadedWeightsLoader(save_folder=str(tmp_path), index=index)
+    first, again = loader["w"], loader["w"]
+    assert first.data_ptr() == again.data_ptr() and torch.equal(first, weight)
+    assert _vm_flags(first.data_ptr()) & {"hg"}  # MADV_HUGEPAGE
+    assert "hg" not in _vm_flags(loader["b"].data_ptr())  # under 2 MB: left alone
+    first.mul_(0)  # written in place (copy-on-write: the file is untouched)
+    loader.release_pages([first, loader["b"]])
+    assert torch.equal(loader["w"], weight)  # the release forgot the write, as a fresh map would
+    assert not (tmp_path / "w.dat.part").exists() and sorted(os.listdir(tmp_path)) == ["b.dat", "w.dat"]
+
+
+def _vm_flags(address: int) -> set:
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                low, high = (int(v, 16) for v in fields[0].split("-"))
+                inside = low <= address < high
+            elif inside and fields[0] == "VmFlags:":
+                return set(fields[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.timeout(60)
+def test_offloading_again_to_the_same_folder_leaves_a_model_mapping_it_intact(offloaded):
+    # Each file is replaced, not rewritten: a file cut short under a live map would fault (SIGBUS).
+    model, x, reference, folder = offloaded
+    with torch.no_grad():
+        assert torch.equal(model(x), reference)
+        disk_offload(Net().eval(), str(folder), execution_device="cpu")  # other weights, same names
+        assert torch.equal(model(x), reference)
 
 
 def _forward_in_child(model, x, reference, out):
@@ -168,11 +251,12 @@ def test_prefetch_can_be_turned_off(offloaded, monkeypatch):
 
     model, x, reference, folder = offloaded
     monkeypatch.setattr(hooks, "PREFETCH", "0")
-    watched = Watched(monkeypatch)
+    running = Running(model, monkeypatch)
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(model(x), reference)
-    assert {thread for _, thread in watched.lookups} == {threading.current_thread().name}
+            _evict(folder)
+    assert len(running.lookups) == 2 * 4 * DEPTH and running.ahead() == [] and running.touched == []
 
 
 def test_touch_leaves_the_values_and_skips_what_it_cannot_read():
@@ -212,7 +296,8 @@ def test_touch_reads_a_cold_mapping_in(tmp_path):
     address, size = mapped.data_ptr(), mapped.numel() * mapped.element_size()
     fd = os.open(tmp_path / "w.dat", os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache (clean pages)
+        os.fsync(fd)  # only clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
     finally:
         os.close(fd)
     assert not _resident(address, size)

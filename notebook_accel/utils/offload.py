@@ -93,11 +93,20 @@ def offload_weight(weight, weight_name: str, offload_folder: str, index: Optiona
     if flat.numel() == 0:
         open(path, "wb").close()  # numpy cannot map an empty file; the index alone describes it
     else:
-        # Written through a map rather than tofile(): the same code path reads it back.
-        array = np.memmap(path, dtype=numpy_store, mode="w+", shape=(flat.numel(),))
-        array[:] = flat.numpy()
-        array.flush()
-        del array
+        # One write of the whole tensor: the page cache then holds it in large folios, which a map
+        # made with MADV_HUGEPAGE (load_offloaded_weight) maps 2 MB at a time. Written through a
+        # map, it was held in 4 KB pages, and each forward paid a fault per 64 KB and a costly unmap.
+        # A new file put in place, not the old one rewritten: a model still mapping the old one
+        # keeps its weights (a map of a file cut short faults with SIGBUS).
+        part = f"{path}.{os.getpid()}.part"
+        try:
+            with open(part, "wb") as f:
+                f.write(memoryview(flat.numpy()).cast("B"))
+            os.replace(part, path)
+        except BaseException:
+            if os.path.exists(part):
+                os.remove(part)
+            raise
     index[weight_name] = {"dtype": dtype_name(dtype), "shape": list(weight.shape)}
     return index
 
@@ -124,6 +133,9 @@ def load_offloaded_weight(weight_file: str, weight_info: dict) -> torch.Tensor:
         )
     array = np.memmap(weight_file, dtype=numpy_store, mode="c", shape=(numel,))
     tensor = torch.from_numpy(array)
+    from .prefetch import advise_huge
+
+    advise_huge(tensor.data_ptr(), expected)  # read from disk, it comes in 2 MB folios mapped whole
     if torch_store != dtype:
         tensor = tensor.view(dtype)
     return tensor.reshape(shape)
@@ -221,6 +233,8 @@ class OffloadedWeightsLoader(Mapping):
         self.all_keys.extend(key for key in self.index if key not in self.state_dict)
         self.device = device
         self._handles = {}  # safetensors file -> open handle; opening parses the header each time
+        self._maps: dict = {}  # key -> the tensor mapping its offload folder file
+        self._map_ends: dict = {}  # start -> end of each of those maps
         self._mapped: list = []  # (start, end) of the safetensors files those handles map
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -236,10 +250,22 @@ class OffloadedWeightsLoader(Mapping):
                 raise ValueError(
                     f"{key!r} is an offloaded weight but the loader was given no save_folder to read it from."
                 )
-            tensor = load_offloaded_weight(_weight_file(self.save_folder, key), info)
+            tensor = self._from_folder(info, key)
         if self.device is not None:
             tensor = tensor.to(self.device)
         return tensor
+
+    def _from_folder(self, info: dict, key: str) -> torch.Tensor:
+        # One map per file, made on first use and kept, as the safetensors shards are: mapping and
+        # unmapping each file at every forward cost more than the forward's reads (issue #19).
+        # release_pages gives the pages back between uses.
+        mapped = self._maps.get(key)
+        if mapped is None:
+            mapped = load_offloaded_weight(_weight_file(self.save_folder, key), info)
+            if mapped.numel():
+                self._map_ends[mapped.data_ptr()] = mapped.data_ptr() + mapped.numel() * mapped.element_size()
+            self._maps[key] = mapped
+        return mapped.view(mapped.shape)
 
     def _from_safetensors(self, info: dict, key: str) -> torch.Tensor:
         path = info["safetensors_file"]
@@ -249,7 +275,12 @@ class OffloadedWeightsLoader(Mapping):
 
             handle = self._handles[path] = safe_open(path, framework="pt", device="cpu")
             tensor = handle.get_tensor(info.get("weight_name", key))
-            self._mapped += _mappings_of(path, tensor.data_ptr())
+            found = _mappings_of(path, tensor.data_ptr())
+            from .prefetch import advise_huge
+
+            for low, high in found:
+                advise_huge(low, high - low)
+            self._mapped += found
         else:
             tensor = handle.get_tensor(info.get("weight_name", key))
         if "dtype" in info:
@@ -257,17 +288,20 @@ class OffloadedWeightsLoader(Mapping):
         return tensor
 
     def release_pages(self, tensors) -> None:
-        """Let the kernel take back the pages of `tensors` that are views of a mapped safetensors
-        file (a hook is done with them): the next use reads them again from the page cache. Without
-        this, every disk block a forward used stays in the process's RSS while the file is open."""
-        from .prefetch import drop_pages
+        """Let the kernel take back the pages of `tensors` that are views of a file this loader
+        keeps mapped (a hook is done with them): the next use maps them again from the page cache,
+        and what was written to them in place is forgotten, as if the file were mapped afresh.
+        Without this, every disk block a forward used stayed in the process's RSS."""
+        from .prefetch import _PAGE, drop_pages
 
         for tensor in tensors:
             if tensor.device.type != "cpu" or tensor.numel() == 0:
                 continue
             start = tensor.data_ptr()
             end = start + tensor.numel() * tensor.element_size()
-            if any(low <= start and end <= high for low, high in self._mapped):  # never anonymous memory
+            if self._map_ends.get(start) == end:  # a file's own map: its last, partial page too
+                drop_pages(start, end + (-end) % _PAGE)
+            elif any(low <= start and end <= high for low, high in self._mapped):  # never anonymous memory
                 drop_pages(start, end)
 
     def __iter__(self):
@@ -283,6 +317,8 @@ class OffloadedWeightsLoader(Mapping):
         state = dict(self.__dict__)
         state["_handles"] = {}  # open files do not pickle; they are reopened on demand
         state["_mapped"] = []
+        state["_maps"] = {}
+        state["_map_ends"] = {}
         state.pop("_notebook_accel_prefetcher", None)  # a thread: utils/prefetch.py makes a new one
         return state
 

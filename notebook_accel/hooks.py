@@ -315,12 +315,14 @@ class AlignDevicesHook(ModelHook):
 
     def _read(self, names: list) -> dict:
         weights_map = self.weights_map
+        # Tied weights are looked up by their source pointer (tied_params_map): never staged.
+        device = None if self.tied_params_names else self.execution_device
         if self._prefetcher is _UNSET:
             on = prefetch.wanted(PREFETCH, self.execution_device)
-            self._prefetcher = prefetch.for_map(weights_map) if on else None
+            self._prefetcher = prefetch.for_map(weights_map, device) if on else None
         if self._prefetcher is None:
             return {name: weights_map[name] for name in names}
-        return self._prefetcher.take(self, lambda: {name: weights_map[name] for name in names})
+        return self._prefetcher.take(self, lambda: {name: weights_map[name] for name in names}, device)
 
     def _release_tied(self):
         # Forget the tied weights this call materialised, so the next call's loads free them.

@@ -360,3 +360,61 @@ def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path,
             # The CPU block, the last block or two and pages mapped around them stay; without
             # release_pages all 16 blocks would (seen: at most 5 with it).
             assert _rss_of_files(shards) <= depth // 2 * block, _rss_of_files(shards)
+
+
+@pytest.mark.timeout(60)
+def test_weights_read_ahead_are_copied_to_the_device_ahead_and_their_pages_released(offloaded, monkeypatch):
+    # What CudaStager does on a CUDA device (pinned copy, non_blocking on a side stream), done here
+    # with PlainStager's plain copy: the forward uses the copies, the mapped pages are let go.
+    from notebook_accel.utils import staging
+
+    model, x, reference, folder = offloaded
+    staged_on = []
+
+    class Recording(staging.PlainStager):
+        def stage(self, tensors, release=None):
+            staged_on.append(threading.current_thread().name)
+            return super().stage(tensors, release)
+
+    monkeypatch.setattr(staging, "stages", lambda device: str(device) == "cpu")
+    monkeypatch.setattr(staging, "stager_for", lambda device: Recording(device))
+    folder_maps = []
+    used = []
+    linear = torch.nn.functional.linear
+
+    def watched_linear(input, weight, bias=None):
+        used.append(any(low <= weight.data_ptr() < high for low, high in folder_maps))
+        return linear(input, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", watched_linear)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference)  # learns the order; nothing staged yet
+        assert staged_on == []
+        folder_maps[:] = _maps_of(folder)  # the loader keeps one map per file from now on
+        assert len(folder_maps) == 4 * DEPTH
+        used.clear()
+        for _ in range(2):
+            assert torch.equal(model(x), reference)
+            assert _rss_of_folder(folder) == 0  # every source released once copied
+    linears = 2 * DEPTH
+    assert len(staged_on) == 2 * (linears - 1) and all(t.startswith("notebook_accel-prefetch") for t in staged_on)
+    # The first Linear of each forward reads its own map; every other one used a staged copy.
+    assert used == [True] + [False] * (linears - 1) + [True] + [False] * (linears - 1), used
+
+
+def _maps_of(folder) -> list:
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if str(folder) in line:
+                low, high = (int(v, 16) for v in line.split()[0].split("-"))
+                found.append((low, high))
+    return found
+
+
+def test_only_a_cuda_device_is_staged():
+    from notebook_accel.utils import staging
+
+    assert not staging.stages(None) and not staging.stages("cpu") and not staging.stages("meta")
+    assert staging.stages("cuda:0") == staging.stages(0) == torch.cuda.is_available()
+    assert staging.stager_for("cpu") is None

@@ -23,6 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
+from . import staging
+
 AHEAD = 2  # hooks read ahead of the one running: the bytes added are at most this many blocks
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ATTRIBUTE = "_notebook_accel_prefetcher"
@@ -134,17 +136,19 @@ def _load_madvise():
 
 
 class Prefetcher:
-    def __init__(self):
+    def __init__(self, release: Optional[Callable] = None):
         self._lock = threading.Lock()
         self.order: list = []  # keys in the order their hooks first ran
         self.position: dict = {}
-        self._loaders: dict = {}  # key -> callable returning {name: tensor}
+        self._loaders: dict = {}  # key -> (callable returning {name: tensor}, execution device)
         self._pending: dict = {}  # key -> Future
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pid = None
+        self._stagers: dict = {}  # execution device -> stager (utils/staging.py)
+        self.release = release  # the loader's release_pages: a staged tensor's source is let go
 
     def __reduce__(self):  # a copy or an unpickled model learns its own order, on its own thread
-        return (Prefetcher, ())
+        return (Prefetcher, (self.release,))
 
     def _executor(self) -> ThreadPoolExecutor:
         # A forked child has the object but not the thread: start afresh there.
@@ -152,13 +156,16 @@ class Prefetcher:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="notebook_accel-prefetch")
             self._pid = os.getpid()
             self._pending = {}
+            self._stagers = {}
         return self._pool
 
-    def take(self, key, load: Callable[[], dict]) -> dict:
-        """The weights of hook `key` ({name: tensor}), read ahead if they were; and read the next."""
+    def take(self, key, load: Callable[[], dict], device=None) -> dict:
+        """The weights of hook `key` ({name: tensor}), read ahead if they were; and read the next.
+        With `device` (the hook's execution device), weights read ahead are also copied there
+        ahead where a stager exists for it (CUDA)."""
         with self._lock:
             pool = self._executor()
-            self._loaders[key] = load
+            self._loaders[key] = (load, device)
             if key not in self.position:
                 self.position[key] = len(self.order)
                 self.order.append(key)
@@ -170,37 +177,49 @@ class Prefetcher:
                 self._pending.pop(stale).cancel()
             for nxt in wanted:
                 if nxt not in self._pending and nxt in self._loaders:
-                    self._pending[nxt] = self._ahead(pool, self._loaders[nxt])
+                    self._pending[nxt] = self._ahead(pool, *self._loaders[nxt])
         if future is not None and not future.cancelled():
-            return future.result()  # an error reading ahead is raised here, as a plain read would
+            found = future.result()  # an error reading ahead is raised here, as a plain read would
+            return found.ready() if isinstance(found, staging.Staged) else found
         return load()
 
-    @staticmethod
-    def _ahead(pool: ThreadPoolExecutor, load: Callable[[], dict]) -> Future:
+    def _stager(self, device):
+        if device not in self._stagers:
+            self._stagers[device] = staging.stager_for(device)
+        return self._stagers[device]
+
+    def _ahead(self, pool: ThreadPoolExecutor, load: Callable[[], dict], device) -> Future:
         # Looked up here (a lookup maps, it does not read). Pages already in the page cache are
         # mapped here too, at once: cheap in 2 MB folios, and a hand-off to the thread costs more
-        # than that when torch keeps every core busy. Only reads from the disk go to the thread.
+        # than that when torch keeps every core busy. Reads from the disk and copies to a device
+        # go to the thread.
         done: Future = Future()
         try:
             tensors = load()
         except Exception as exc:  # raised by the forward that needs them, as a plain read would
             done.set_exception(exc)
             return done
-        if all(resident(t) for t in tensors.values()):
+        stager = self._stager(device)
+        if stager is None and all(resident(t) for t in tensors.values()):
             done.set_result({name: touch(tensor) for name, tensor in tensors.items()})
             return done
-        return pool.submit(lambda: {name: touch(tensor) for name, tensor in tensors.items()})
+        return pool.submit(self._read, tensors, stager)
+
+    def _read(self, tensors: dict, stager) -> dict:
+        tensors = {name: touch(tensor) for name, tensor in tensors.items()}
+        return tensors if stager is None else stager.stage(tensors, self.release)
 
 
-def for_map(weights_map) -> Optional[Prefetcher]:
-    """The prefetcher of the disk-backed map under `weights_map`, made on first use; None for a map
-    of tensors already in memory (nothing to read ahead)."""
+def for_map(weights_map, device=None) -> Optional[Prefetcher]:
+    """The prefetcher of the loader under `weights_map`, made on first use. None where there is
+    nothing to do ahead: a map of tensors already in memory, unless `device` (the execution
+    device) has a stager to copy them there ahead."""
     from .offload import root_loader
 
     root = root_loader(weights_map)
-    if root is None or not root.index:
+    if root is None or not (root.index or staging.stages(device)):
         return None
     found = root.__dict__.get(_ATTRIBUTE)
     if found is None:
-        found = root.__dict__[_ATTRIBUTE] = Prefetcher()
+        found = root.__dict__[_ATTRIBUTE] = Prefetcher(root.release_pages if root.index else None)
     return found

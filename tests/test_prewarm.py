@@ -272,3 +272,55 @@ def test_the_early_server_goes_with_its_kernel(kernel, end):
     while alive(servers[0]):
         assert time.monotonic() < deadline, f"the forkserver outlived its kernel ({end})"
         time.sleep(0.1)
+
+
+# -- the launch path imported while the kernel is idle (jupyter/ready.py) ----------------------------
+IMPORTED = (
+    "import json, os, sys\n"
+    "from notebook_accel.jupyter import ready\n"
+    "print(json.dumps({'imported': ready.imported, 'on': ready.imported_on,\n"
+    "                  'loaded': [m for m in ready.LAUNCH_PATH + ready.PANEL if m in sys.modules]}))"
+)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kernel", ["0", "1"], indirect=True)  # NOTEBOOK_ACCEL_WIDGETS
+def test_in_a_kernel_the_launch_path_is_imported_once_the_import_cell_has_ended(kernel):
+    from notebook_accel.jupyter import ready
+
+    km, kc = kernel
+    first = said(
+        kc,
+        "import json, os, sys, time\n"
+        "import notebook_accel\n"
+        "time.sleep(2 * 0.5)  # longer than ready.DELAY_S: nothing is imported inside this cell\n"
+        "print(json.dumps({'widgets': os.environ['NOTEBOOK_ACCEL_WIDGETS'],\n"
+        "                  'loaded': [m for m in ('notebook_accel.hardware', 'notebook_accel.launch.starters.local')\n"
+        "                             if m in sys.modules]}))",
+    )
+    assert first["loaded"] == [], first
+    time.sleep(ready.DELAY_S + 1.5)  # the kernel idle
+    after = said(kc, IMPORTED)
+    expected = list(ready.LAUNCH_PATH + (ready.PANEL if first["widgets"] == "1" else ()))
+    assert after["imported"] == expected, after
+    assert set(ready.LAUNCH_PATH) <= set(after["loaded"]), after
+    assert after["on"] == "MainThread", after  # the kernel's own thread, between cells
+    ranks = said(
+        kc,
+        f"sys.path.insert(0, {TESTS!r})\nfrom launch_targets import where_this_rank_runs\n"
+        "print(json.dumps(notebook_accel.notebook_launcher(where_this_rank_runs, ('HOME',), num_processes=2)))",
+        timeout=120,
+    )
+    assert len(ranks) == 2, ranks
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kernel", [{prewarm.ENV: "0"}], indirect=True)
+def test_in_a_kernel_prewarm_off_imports_nothing_early(kernel):
+    from notebook_accel.jupyter import ready
+
+    km, kc = kernel
+    ok(kc, "import notebook_accel")
+    time.sleep(ready.DELAY_S + 1.5)
+    after = said(kc, IMPORTED)
+    assert after["imported"] == [] and "notebook_accel.launch.starters.local" not in after["loaded"], after

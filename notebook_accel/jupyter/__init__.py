@@ -71,11 +71,17 @@ def register_frontend() -> None:
 
 def prewarm() -> None:
     """In a kernel, start the warm forkserver in the background (launch/prewarm.py): the first
-    `forkserver` launch or session then finds it booted. NOTEBOOK_ACCEL_PREWARM=0 turns it off."""
+    `forkserver` launch or session then finds it booted; and once this cell ends, import the
+    launch path while the kernel is idle (ready.py). NOTEBOOK_ACCEL_PREWARM=0 turns both off."""
     if in_kernel():
         from ..launch import prewarm as early
 
-        early.start()
+        if early.start() is not None:
+            from IPython import get_ipython
+
+            from .ready import schedule
+
+            schedule(get_ipython())
 
 
 def load_ipython_extension(ipython) -> None:

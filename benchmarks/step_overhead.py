@@ -3,6 +3,7 @@ and ranks, alternating blocks in one run (and accelerate's Accelerator when it i
 
     python benchmarks/step_overhead.py [--ranks 2] [--rounds 12] [--steps 40] [--json PATH]
     python benchmarks/step_overhead.py --panel [--pairs 4]    # the launch panel on vs off
+    python benchmarks/step_overhead.py --panel-windows --rounds 150 --steps 10   # within one launch
 
 --panel: launches alternate between "on" (a LaunchPanel sink redrawing 10 times a second, and the
 launcher sampling every rank's resources once a second) and "off" (console sink, no sampling), so
@@ -63,7 +64,7 @@ def _accelerator_loop(accelerator, model, opt, loader):
     return block
 
 
-def run(rounds: int, steps: int, with_accelerate: bool):
+def run(rounds: int, steps: int, with_accelerate: bool, stamps: bool = False):
     import torch.distributed as dist
 
     from notebook_accel import Accelerator, PartialState
@@ -111,15 +112,17 @@ def run(rounds: int, steps: int, with_accelerate: bool):
     ours_block()
     if theirs is not None:
         theirs()
+    when = {name: [] for name in blocks}  # (start, end) wall clock of each block: --panel-windows
     for _ in range(rounds):
-        dist.barrier()
-        blocks["ddp"].append(_time_block(raw_step, raw_batches))
-        dist.barrier()
-        blocks["ours"].append(ours_block())
-        if theirs is not None:
+        for name, block in (("ddp", lambda: _time_block(raw_step, raw_batches)), ("ours", ours_block),
+                            ("accelerate", theirs)):  # fmt: skip
+            if block is None:
+                continue
             dist.barrier()
-            blocks["accelerate"].append(theirs())
-    return blocks
+            start = time.time()
+            blocks[name].append(block())
+            when[name].append((start, time.time()))
+    return {"blocks": blocks, "when": when} if stamps else blocks
 
 
 def panel_ab(args) -> dict:
@@ -155,6 +158,64 @@ def panel_ab(args) -> dict:
     return medians
 
 
+def panel_windows(args) -> dict:
+    """One launch with the panel: its redraws and the resource sampling are switched off and on
+    every WINDOW_S seconds by the launching process, and each block of steps is counted under the
+    window it ran in (blocks that straddle a switch are left out). Both halves share the launch,
+    so launch-to-launch differences (+-10 % on this machine) do not enter the ratio."""
+    import threading
+
+    from notebook_accel import notebook_launcher
+    from notebook_accel.jupyter.panel import LaunchPanel
+    from notebook_accel.launch import resources
+
+    on = threading.Event()
+    switches = []  # (wall time, on after it)
+    flush, due = LaunchPanel.flush, resources.ResourceSampler.due
+    LaunchPanel.flush = lambda self: flush(self) if on.is_set() else None
+    resources.ResourceSampler.due = lambda self, now: due(self, now) if on.is_set() else False
+    finished = threading.Event()
+
+    def switch():
+        while not finished.is_set():
+            if on.is_set():
+                on.clear()
+            else:
+                on.set()
+            switches.append((time.time(), on.is_set()))
+            finished.wait(args.window)
+
+    toggler = threading.Thread(target=switch, daemon=True)
+    toggler.start()
+    sink = LaunchPanel(show=False)
+    cpu, wall = time.process_time(), time.perf_counter()
+    try:
+        out = notebook_launcher(run, (args.rounds, args.steps, False, True), num_processes=args.ranks,
+                                use_port="auto", start_method="forkserver", sinks=[sink])[0]  # fmt: skip
+    finally:
+        finished.set()
+        toggler.join()
+        sink.close()
+        LaunchPanel.flush, resources.ResourceSampler.due = flush, due
+    parent_cpu = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    ends = [t for t, _ in switches[1:]] + [float("inf")]
+    windows = [(t, end, state) for (t, state), end in zip(switches, ends)]
+    split: dict = {}
+    for loop, spans in out["when"].items():
+        for (start, end), seconds in zip(spans, out["blocks"][loop]):
+            inside = [state for low, high, state in windows if low <= start and end <= high]
+            if inside:
+                split.setdefault(loop, {"on": [], "off": []})["on" if inside[0] else "off"].append(seconds)
+    print(f"\nPanel on vs off within one launch, {args.ranks} ranks, switched every {args.window:g} s; "
+          f"{args.rounds} rounds of {args.steps}-step blocks (median ms/step over the blocks in each, rank 0):\n")  # fmt: skip
+    print("| loop | blocks off, on | panel off | panel on | ratio on / off |\n|---|---|---|---|---|")
+    for loop, halves in split.items():
+        off, on_ = statistics.median(halves["off"]), statistics.median(halves["on"])
+        print(f"| {loop} | {len(halves['off'])}, {len(halves['on'])} | {off * 1e3:.3f} | {on_ * 1e3:.3f} | {on_ / off:.3f} |")
+    print(f"\nThe launching process's CPU over the launch (% of one core, both halves): {parent_cpu * 100:.2f}")
+    return {"split": split, "switches": switches, "parent_cpu": parent_cpu}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
@@ -164,7 +225,16 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--panel", action="store_true", help="the launch panel on vs off, alternating launches")
     parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--panel-windows", action="store_true",
+                        help="the panel switched off and on every --window s within one launch")  # fmt: skip
+    parser.add_argument("--window", type=float, default=2.0)
     args = parser.parse_args(argv)
+    if args.panel_windows:
+        found = panel_windows(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": args.ranks, **found}, f, indent=2)
+        return 0
     if args.panel:
         medians = panel_ab(args)
         if args.json:

@@ -163,3 +163,16 @@ def test_extract_submodules_state_dict():
         "dec": 5,
     }
     assert extract_submodules_state_dict(state, [""]) == state
+
+
+def test_a_write_that_fails_leaves_the_last_good_file_and_no_part(tmp_path, monkeypatch):
+    index = offload_weight(torch.arange(6.0), "w", str(tmp_path))
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        offload_weight(torch.zeros(6), "w", str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["w.dat"]  # the part file is gone
+    assert torch.equal(load_offloaded_weight(str(tmp_path / "w.dat"), index["w"]), torch.arange(6.0))

@@ -171,9 +171,16 @@ def panel_windows(args) -> dict:
 
     on = threading.Event()
     switches = []  # (wall time, on after it)
-    flush, due = LaunchPanel.flush, resources.ResourceSampler.due
+    flush, sample = LaunchPanel.flush, resources.ResourceSampler.sample
+
+    def sample_when_on(self, now, live):
+        if on.is_set():
+            return sample(self, now, live)
+        self.next_at = now + self.interval  # skipped, but due() must not stay true: the loop would spin
+        return []
+
     LaunchPanel.flush = lambda self: flush(self) if on.is_set() else None
-    resources.ResourceSampler.due = lambda self, now: due(self, now) if on.is_set() else False
+    resources.ResourceSampler.sample = sample_when_on
     finished = threading.Event()
 
     def switch():
@@ -196,24 +203,36 @@ def panel_windows(args) -> dict:
         finished.set()
         toggler.join()
         sink.close()
-        LaunchPanel.flush, resources.ResourceSampler.due = flush, due
+        LaunchPanel.flush, resources.ResourceSampler.sample = flush, sample
     parent_cpu = (time.process_time() - cpu) / (time.perf_counter() - wall)
     ends = [t for t, _ in switches[1:]] + [float("inf")]
     windows = [(t, end, state) for (t, state), end in zip(switches, ends)]
     split: dict = {}
+    by_window: dict = {}  # loop -> window index -> s/step of its blocks
     for loop, spans in out["when"].items():
         for (start, end), seconds in zip(spans, out["blocks"][loop]):
-            inside = [state for low, high, state in windows if low <= start and end <= high]
+            inside = [(i, state) for i, (low, high, state) in enumerate(windows) if low <= start and end <= high]
             if inside:
-                split.setdefault(loop, {"on": [], "off": []})["on" if inside[0] else "off"].append(seconds)
+                split.setdefault(loop, {"on": [], "off": []})["on" if inside[0][1] else "off"].append(seconds)
+                by_window.setdefault(loop, {}).setdefault(inside[0][0], []).append(seconds)
+    # Each "on" window against the "off" windows either side of it: slow drifts cancel out.
+    paired: dict = {}
+    for loop, found in by_window.items():
+        for i, (_, _, state) in enumerate(windows):
+            sides = [statistics.median(found[j]) for j in (i - 1, i + 1) if j in found]
+            if state and i in found and sides:
+                paired.setdefault(loop, []).append(statistics.median(found[i]) / statistics.mean(sides))
     print(f"\nPanel on vs off within one launch, {args.ranks} ranks, switched every {args.window:g} s; "
           f"{args.rounds} rounds of {args.steps}-step blocks (median ms/step over the blocks in each, rank 0):\n")  # fmt: skip
-    print("| loop | blocks off, on | panel off | panel on | ratio on / off |\n|---|---|---|---|---|")
+    print("| loop | blocks off, on | panel off | panel on | ratio on / off | median ratio, each on window / the off windows beside it |")
+    print("|---|---|---|---|---|---|")
     for loop, halves in split.items():
         off, on_ = statistics.median(halves["off"]), statistics.median(halves["on"])
-        print(f"| {loop} | {len(halves['off'])}, {len(halves['on'])} | {off * 1e3:.3f} | {on_ * 1e3:.3f} | {on_ / off:.3f} |")
+        pairs = paired.get(loop, [])
+        near = f"{statistics.median(pairs):.3f} ({len(pairs)} windows)" if pairs else "-"
+        print(f"| {loop} | {len(halves['off'])}, {len(halves['on'])} | {off * 1e3:.3f} | {on_ * 1e3:.3f} | {on_ / off:.3f} | {near} |")
     print(f"\nThe launching process's CPU over the launch (% of one core, both halves): {parent_cpu * 100:.2f}")
-    return {"split": split, "switches": switches, "parent_cpu": parent_cpu}
+    return {"split": split, "paired": paired, "switches": switches, "parent_cpu": parent_cpu}
 
 
 def main(argv=None) -> int:

@@ -76,7 +76,9 @@ def _init_process_group(
     if store is not None:  # under torch elastic: see utils/peers.py
         peers.wait_for_peers(store, env.rank, env.world_size, timeout)
         kwargs["store"] = store
+    peers.tell("joining")
     dist.init_process_group(**kwargs)
+    peers.tell("joined")
     if backend == "gloo" and env.world_size > 1:
         # gloo's init can return on one rank while a peer is still connecting to it; a rank that then
         # finishes and tears its group down fails that peer ("connectFullMesh ... closed by peer").

@@ -205,3 +205,29 @@ def test_a_count_over_the_open_file_limit_is_named_with_the_fix():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "needs about 214 open files" in result.stdout and "limit is 100" in result.stdout
     assert "ulimit -n 214" in result.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method, skip", [("fork", 0), ("forkserver", 1), ("spawn", 0)])
+def test_a_rank_joining_after_another_returned_without_the_state_fails_the_launch_at_once(no_orphans, method, skip):
+    # Rank `skip` returns without PartialState(); the other's init_process_group would wait its
+    # 30-minute timeout for it (rank 0 hosts the store; without it rank 1 cannot even connect).
+    from launch_targets import join_unless_rank
+
+    started = time.monotonic()
+    with pytest.raises(LaunchFailedError) as caught:
+        notebook_launcher(join_unless_rank, (skip,), num_processes=2, start_method=method, timeout=100)
+    other = 1 - skip
+    assert list(caught.value.reports) == [other], caught.value.reports
+    failure = caught.value.reports[other]
+    assert f"rank(s) {skip} returned from the function without creating the state" in failure.message
+    assert "it was joining the process group" in str(caught.value)
+    assert time.monotonic() - started < 60  # seconds, not init_process_group's 30 minutes
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_all_join_or_none_are_not_stopped(no_orphans):
+    from launch_targets import join_unless_rank
+
+    assert notebook_launcher(join_unless_rank, (-1,), num_processes=2) == [0, 1]  # all join
+    assert notebook_launcher(rank_of_this_process, num_processes=2) == [0, 1]  # none joins

@@ -162,6 +162,7 @@ class RankChannel:
         self.pid: Optional[int] = None
         self.result: Optional[tuple] = None  # (pickle body, out-of-band buffers) once all arrived
         self.error: Optional[dict] = None
+        self.group = ""  # "joining", then "joined": where the rank is with the process group
         self.open = {"stdout", "stderr", "ctrl"}
         self._lines = {stream: LineSplitter() for stream in STREAMS}
         self._frames = FrameBuffer()
@@ -218,6 +219,8 @@ class RankChannel:
             self._result_arrived()
         elif kind == "error":
             self.error = message[1]
+        elif kind == "group":
+            self.group = message[1]
         return []
 
     def _result_arrived(self) -> None:

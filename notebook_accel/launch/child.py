@@ -2,8 +2,9 @@
 one), run the function, report back.
 
 A rank receives three connected sockets: `out` and `err` become fds 1 and 2 (so C-level output
-is caught too), `ctrl` carries the frames of channel.py: ("started", pid), ("result", body, sizes)
-followed by the result's out-of-band buffers, or ("error", dict).
+is caught too), `ctrl` carries the frames of channel.py: ("started", pid), ("group", "joining" or
+"joined") around joining the process group, ("result", body, sizes) followed by the result's
+out-of-band buffers, or ("error", dict).
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def run_function(rank: int, ctrl: socket.socket, prepare, load) -> int:
     """Say started, run `prepare()` then the loaded function, and report its result or error on
     `ctrl`. Returns the exit code. (A TPU rank runs this inside xmp.spawn's process: xla.py.)"""
     send_frame(ctrl, ("started", os.getpid()))
+    from ..utils import peers
+
+    peers.listen(lambda word: send_frame(ctrl, ("group", word)))  # see monitor.py, _check_group
     try:
         prepare()
         function, args = load()

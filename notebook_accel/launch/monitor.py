@@ -18,6 +18,10 @@ STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_GRACE_S = 2.0  # after a rank exits, wait this long for a grandchild that still holds its stdout
 UNKNOWN_END = "its process ended without a result or an error, and its exit status went to xmp.spawn"
 GATE_GRACE_S = 5.0  # once every rank is done, wait this long for a gate (xmp.spawn) to say it is done
+# A rank still joining the group this long after another returned without ever joining is failed:
+# the group can never form. The wait covers a rank that joined by its own init_process_group (it
+# sends nothing) and a peer whose "joined" is still on its way.
+JOIN_GRACE_S = 2.0
 
 
 class _Rank:
@@ -27,6 +31,7 @@ class _Rank:
         self.channel = RankChannel(rank)
         self.exited_at: Optional[float] = None
         self.done = False
+        self.reported = False  # failed by the monitor itself (_check_group): its exit says nothing more
         self.started = time.monotonic()
 
 
@@ -51,6 +56,7 @@ class Monitor:
         self.gate = gate
         self.gate_open = gate is not None
         self.all_done_at: Optional[float] = None
+        self.doomed_since: Optional[float] = None  # when _check_group first saw a group that cannot form
         if gate is not None:
             self.sel.register(gate.sock, selectors.EVENT_READ, (None, "gate"))
             self.sel.register(gate.ended_r, selectors.EVENT_READ, (None, "gate_end"))
@@ -140,6 +146,7 @@ class Monitor:
         for r in self.ranks:
             if not r.done:
                 self._maybe_finish(r, now)
+        self._check_group(now)
         if self.stop_sent_at is not None and not self.killed and now - self.stop_sent_at > STOP_GRACE_S:
             self._signal_all(signal.SIGKILL)
             self.killed = True
@@ -170,6 +177,8 @@ class Monitor:
                 pass
         for event in r.channel.flush():
             self.sink.handle(event)
+        if r.reported:
+            return
         error = r.channel.error
         peak_rss, peak_device = self.resources.peaks(r.rank)
         peak_rss = r.proc.max_rss or peak_rss  # exact where we reaped it, else sampled
@@ -200,6 +209,35 @@ class Monitor:
         self.sink.handle(failure)
         if self.stop_sent_at is None:
             self.stop(f"rank {r.rank} failed")
+
+    def _check_group(self, now: float) -> None:
+        """Fail the ranks waiting to join the process group once a rank has returned without ever
+        joining: init_process_group would wait its whole timeout (30 minutes) for it."""
+        if self.stop_sent_at is not None:
+            return
+        left = [r.rank for r in self.ranks if r.done and r.channel.result is not None and not r.channel.group]
+        stuck = [r for r in self.ranks if not r.done and r.channel.group == "joining"]
+        if not (left and stuck):
+            self.doomed_since = None
+            return
+        if self.doomed_since is None:
+            self.doomed_since = now
+        if now - self.doomed_since < JOIN_GRACE_S:
+            return
+        names = ", ".join(str(rank) for rank in sorted(left))
+        for r in stuck:
+            r.reported = True
+            failure = ev.RankFailed(
+                r.rank, r.proc.pid, None,
+                message=(
+                    f"it was joining the process group (PartialState() or Accelerator()), but rank(s) "
+                    f"{names} returned from the function without creating the state, so the group can "
+                    "never form. Create the state on every rank, or on none."
+                ),
+            )  # fmt: skip
+            self.failures.append(failure)
+            self.sink.handle(failure)
+        self.stop(f"rank(s) {names} returned without joining the process group")
 
     def _server_lost(self) -> None:
         """The forkserver's socket ended: its ranks died with it (they die with their parent), and

@@ -1,10 +1,12 @@
-"""Joining the process group under torch elastic without waiting for a rank that has gone.
+"""Joining the process group without waiting for a rank that has gone.
 
 `init_process_group` waits up to its timeout (30 minutes by default) for every rank. Under torch
 elastic the agent's store outlives the workers, so a worker that returns from the function without
 ever creating the state says so there (`say_left`), and a rank that creates the state later checks
 for that while it waits for the others (`wait_for_peers`): such a group can never form, and an
-error now lets the agent restart the workers instead of the launch hanging.
+error now lets the agent restart the workers instead of the launch hanging. Under our own
+launcher, a rank tells it when it starts and ends joining (`listen` / `tell`), and the launcher's
+monitor ends a launch whose group can no longer form (launch/monitor.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,24 @@ _ARRIVED = "arrived"
 _LEFT = "left_without_state"
 
 joined = False  # set when this process starts joining a group; a worker that never did says so on exit
+_listener = None  # a rank of our launcher: says "joining" / "joined" to it (launch/child.py)
+
+
+def listen(callback) -> None:
+    """`callback(word)` is told "joining" before this process joins the group and "joined" once
+    it has: the launcher, seeing a rank joining after another returned without ever joining, ends
+    the launch at once instead of leaving the rank to wait out init_process_group's timeout."""
+    global _listener
+    _listener = (os.getpid(), callback)
+
+
+def tell(word: str) -> None:
+    # Only the rank itself: a process it forked shares its socket, and two writers would tangle it.
+    if _listener is not None and _listener[0] == os.getpid():
+        try:
+            _listener[1](word)
+        except Exception:  # the launcher is gone: the rank is ending anyway
+            pass
 
 
 def attempt_store(world_size: int, timeout: datetime.timedelta | None):

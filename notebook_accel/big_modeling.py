@@ -256,6 +256,14 @@ class _TiedWeights(Mapping):
         target = self.aliases[key]
         return target if isinstance(target, torch.Tensor) else self.base[target]
 
+    def mapped(self, key):
+        from .utils.offload import lookup
+
+        if key in self.base:
+            return lookup(self.base, key)
+        target = self.aliases[key]
+        return target if isinstance(target, torch.Tensor) else lookup(self.base, target)
+
     def __contains__(self, key):
         return key in self.aliases or key in self.base
 

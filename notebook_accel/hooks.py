@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from .utils import prefetch
 from .utils.modeling import named_module_tensors, set_module_tensor_to_device, to_torch_device
-from .utils.offload import PrefixedDataset, root_loader
+from .utils.offload import PrefixedDataset, lookup, root_loader
 from .utils.operations import send_to_device
 
 __all__ = [
@@ -233,6 +233,7 @@ class AlignDevicesHook(ModelHook):
         self.tied_params_map = tied_params_map
         self._tied_to_release: set = set()
         self._prefetcher = _UNSET  # the weights map's read-ahead (utils/prefetch.py), found on first use
+        self._sources: list = []  # what the weights map gave this forward (released after it)
 
     def __repr__(self) -> str:
         return (
@@ -299,6 +300,7 @@ class AlignDevicesHook(ModelHook):
             target = to_torch_device(self.execution_device) if tied is not None else None
             names = [name for name, _ in self._offloaded_tensors(module)]
             values = self._read(names)
+            self._sources = list(values.values())  # released after the forward, copied or not
             for name in names:
                 value = values[name]
                 if tied is not None and value.data_ptr() in tied and target not in tied[value.data_ptr()]:
@@ -321,8 +323,8 @@ class AlignDevicesHook(ModelHook):
             on = prefetch.wanted(PREFETCH, self.execution_device)
             self._prefetcher = prefetch.for_map(weights_map, device) if on else None
         if self._prefetcher is None:
-            return {name: weights_map[name] for name in names}
-        return self._prefetcher.take(self, lambda: {name: weights_map[name] for name in names}, device)
+            return {name: lookup(weights_map, name) for name in names}
+        return self._prefetcher.take(self, lambda: {name: lookup(weights_map, name) for name in names}, device)
 
     def _release_tied(self):
         # Forget the tied weights this call materialised, so the next call's loads free them.
@@ -332,14 +334,14 @@ class AlignDevicesHook(ModelHook):
 
     def post_forward(self, module, output):
         if self.offload:
-            held = []
-            for name, tensor in list(self._offloaded_tensors(module)):
-                held.append(tensor)
+            for name, _ in list(self._offloaded_tensors(module)):
                 set_module_tensor_to_device(module, name, "meta")
             loader = root_loader(self.weights_map)
             if loader is not None and loader.index:
-                loader.release_pages(held)  # the file-backed pages leave RSS (mapped 2 MB at a time: cheap)
-            held = None
+                # What the map gave, not the module's tensors: those are copies when the weights
+                # went to another device or dtype, and the map's pages would stay in RSS for good.
+                loader.release_pages(self._sources)
+            self._sources = []
             self._release_tied()
         if self.io_same_device and self.input_device is not None:
             output = send_to_device(output, self.input_device, skip_keys=self.skip_keys)

@@ -68,13 +68,13 @@ class Running:
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
                 module.register_forward_pre_hook(lambda m, a, name=name: setattr(self, "now", name))
-        get = OffloadedWeightsLoader.__getitem__
+        get = OffloadedWeightsLoader.mapped
 
-        def getitem(loader, key):
+        def mapped(loader, key):
             self.lookups.append((key, self.now))
             return get(loader, key)
 
-        monkeypatch.setattr(OffloadedWeightsLoader, "__getitem__", getitem)
+        monkeypatch.setattr(OffloadedWeightsLoader, "mapped", mapped)  # the hooks' lookup
         touch = prefetch.touch
 
         def watched_touch(tensor):
@@ -159,14 +159,14 @@ def test_a_lookup_that_fails_ahead_is_raised_by_the_forward_that_needs_it(offloa
             module.register_forward_hook(lambda m, a, out, name=name: done.append(name))
     with torch.no_grad():
         assert torch.equal(model(x), reference)
-        get = OffloadedWeightsLoader.__getitem__
+        get = OffloadedWeightsLoader.mapped
 
-        def getitem(loader, key):
+        def mapped(loader, key):
             if key == "blocks.3.up.weight":
                 raise OSError(f"cannot read {key}")
             return get(loader, key)
 
-        monkeypatch.setattr(OffloadedWeightsLoader, "__getitem__", getitem)
+        monkeypatch.setattr(OffloadedWeightsLoader, "mapped", mapped)
         done.clear()
         with pytest.raises(OSError, match=r"cannot read blocks\.3\.up\.weight"):
             model(x)
@@ -182,13 +182,14 @@ def test_the_loader_keeps_one_map_per_file_advised_for_2mb_folios(tmp_path):
     index = offload_weight(weight, "w", str(tmp_path))
     offload_weight(torch.randn(3), "b", str(tmp_path), index)
     loader = OffloadedWeightsLoader(save_folder=str(tmp_path), index=index)
-    first, again = loader["w"], loader["w"]
+    first, again = loader.mapped("w"), loader.mapped("w")
     assert first.data_ptr() == again.data_ptr() and torch.equal(first, weight)
+    assert loader["w"].data_ptr() != first.data_ptr()  # a caller's lookup maps afresh
     assert _vm_flags(first.data_ptr()) & {"hg"}  # MADV_HUGEPAGE
-    assert "hg" not in _vm_flags(loader["b"].data_ptr())  # under 2 MB: left alone
+    assert "hg" not in _vm_flags(loader.mapped("b").data_ptr())  # under 2 MB: left alone
     first.mul_(0)  # written in place (copy-on-write: the file is untouched)
-    loader.release_pages([first, loader["b"]])
-    assert torch.equal(loader["w"], weight)  # the release forgot the write, as a fresh map would
+    loader.release_pages([first, loader.mapped("b")])
+    assert torch.equal(loader.mapped("w"), weight)  # the release forgot the write, as a fresh map would
     assert not (tmp_path / "w.dat.part").exists() and sorted(os.listdir(tmp_path)) == ["b.dat", "w.dat"]
 
 
@@ -208,11 +209,78 @@ def _vm_flags(address: int) -> set:
 @pytest.mark.timeout(60)
 def test_offloading_again_to_the_same_folder_leaves_a_model_mapping_it_intact(offloaded):
     # Each file is replaced, not rewritten: a file cut short under a live map would fault (SIGBUS).
+    from notebook_accel.utils.offload import offload_weight
+
     model, x, reference, folder = offloaded
     with torch.no_grad():
+        assert torch.equal(model(x), reference)  # every file mapped now
+        inodes = {n: os.stat(folder / n).st_ino for n in os.listdir(folder) if n.endswith(".dat")}
+        for name, weight in Net().state_dict().items():  # other weights, same names
+            offload_weight(weight, name, str(folder))
+        assert all(os.stat(folder / n).st_ino != ino for n, ino in inodes.items())
         assert torch.equal(model(x), reference)
-        disk_offload(Net().eval(), str(folder), execution_device="cpu")  # other weights, same names
+
+
+def test_a_tensor_a_caller_looks_up_is_its_own(offloaded):
+    # The hooks share one map per file; loader[key] still gives a map of its own, so a caller's
+    # write reaches neither the model nor the next caller, and no release undoes it.
+    from notebook_accel.utils.loading import get_state_dict_offloaded_model
+
+    model, x, reference, _ = offloaded
+    with torch.no_grad():
         assert torch.equal(model(x), reference)
+        state = get_state_dict_offloaded_model(model)
+        state["blocks.0.up.weight"].zero_()
+        assert torch.equal(model(x), reference)
+    assert bool((state["blocks.0.up.weight"] == 0).all())
+
+
+@pytest.mark.timeout(60)
+def test_the_maps_pages_are_released_when_the_module_used_copies(tmp_path):
+    # Stored in fp16, run in fp32: the module's tensors are copies (as on a CUDA device), and the
+    # pages of what the map gave must still be released after the forward.
+    from notebook_accel.utils.offload import offload_state_dict
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    x = torch.randn(3, WIDTH)
+    folder = tmp_path / "half"
+    offload_state_dict(str(folder), {k: v.half() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        expected = Net().eval()
+        expected.load_state_dict({k: v.half().float() for k, v in model.state_dict().items()})
+        reference = expected(x)
+        disk_offload(model, str(folder), execution_device="cpu")
+        for _ in range(2):
+            assert torch.equal(model(x), reference)
+            assert _rss_of_folder(folder) <= prefetch.AHEAD * 2 * (WIDTH * WIDTH * 2 + 4096), _rss_of_folder(folder)
+
+
+@pytest.mark.timeout(60)
+def test_lookups_keep_no_file_descriptor_open(offloaded):
+    model, x, reference, _ = offloaded
+    before = len(os.listdir("/proc/self/fd"))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), reference)  # every one of the 24 files mapped and kept
+    assert len(os.listdir("/proc/self/fd")) <= before
+
+
+@pytest.mark.timeout(60)
+def test_no_room_on_the_device_ahead_leaves_the_copy_to_the_hook(offloaded, monkeypatch):
+    from notebook_accel.utils import staging
+
+    model, x, reference, _ = offloaded
+
+    class Full(staging.PlainStager):
+        def stage(self, tensors, release=None):
+            raise torch.OutOfMemoryError("no room ahead")
+
+    monkeypatch.setattr(staging, "stages", lambda device: str(device) == "cpu")
+    monkeypatch.setattr(staging, "stager_for", lambda device: Full(device))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), reference)
 
 
 def _forward_in_child(model, x, reference, out):

@@ -131,8 +131,9 @@ def load_offloaded_weight(weight_file: str, weight_info: dict) -> torch.Tensor:
             f"Offloaded weight file {weight_file} should hold {expected} bytes for shape {list(shape)} {dtype} but "
             f"{found}. The offload folder is incomplete or from another model; offload the weights again."
         )
-    array = np.memmap(weight_file, dtype=numpy_store, mode="c", shape=(numel,))
-    tensor = torch.from_numpy(array)
+    # A private (copy-on-write) map that keeps no file descriptor open: a loader keeps one map per
+    # file, and a model of thousands of tensors would otherwise run out of descriptors.
+    tensor = torch.from_file(weight_file, shared=False, size=numel, dtype=torch_store)
     from .prefetch import advise_huge
 
     advise_huge(tensor.data_ptr(), expected)  # read from disk, it comes in 2 MB folios mapped whole
@@ -193,6 +194,9 @@ class PrefixedDataset(Mapping):
     def __getitem__(self, key):
         return self.dataset[f"{self.prefix}{key}"]
 
+    def mapped(self, key):
+        return lookup(self.dataset, f"{self.prefix}{key}")
+
     def __contains__(self, key) -> bool:
         return f"{self.prefix}{key}" in self.dataset
 
@@ -238,6 +242,17 @@ class OffloadedWeightsLoader(Mapping):
         self._mapped: list = []  # (start, end) of the safetensors files those handles map
 
     def __getitem__(self, key: str) -> torch.Tensor:
+        """The tensor of `key`; one of the offload folder is a fresh map of its file, so what a
+        caller writes to it is seen by nobody else."""
+        return self._lookup(key, shared=False)
+
+    def mapped(self, key: str) -> torch.Tensor:
+        """As `loader[key]`, but an offload folder's file is mapped once and the map kept (the
+        hooks' path): mapping and unmapping each file at every forward cost more than the forward's
+        reads (issue #19). `release_pages` gives its pages back between uses."""
+        return self._lookup(key, shared=True)
+
+    def _lookup(self, key: str, shared: bool) -> torch.Tensor:
         if key in self.state_dict:
             return self.state_dict[key]
         info = self.index.get(key)
@@ -250,15 +265,27 @@ class OffloadedWeightsLoader(Mapping):
                 raise ValueError(
                     f"{key!r} is an offloaded weight but the loader was given no save_folder to read it from."
                 )
-            tensor = self._from_folder(info, key)
+            if shared:
+                tensor = self._from_folder(info, key)
+            else:
+                tensor = load_offloaded_weight(_weight_file(self.save_folder, key), info)
         if self.device is not None:
             tensor = tensor.to(self.device)
         return tensor
 
+    @property
+    def maps_in_place(self) -> bool:
+        """Whether `mapped()` only maps (no read, no copy): no device to copy to, no dtype to
+        convert a safetensors entry to. The read-ahead looks such entries up on the forward's
+        thread."""
+        if self.device is not None:
+            return False
+        found = self.__dict__.get("_in_place")
+        if found is None:
+            found = self._in_place = not any("safetensors_file" in i and "dtype" in i for i in self.index.values())
+        return found
+
     def _from_folder(self, info: dict, key: str) -> torch.Tensor:
-        # One map per file, made on first use and kept, as the safetensors shards are: mapping and
-        # unmapping each file at every forward cost more than the forward's reads (issue #19).
-        # release_pages gives the pages back between uses.
         mapped = self._maps.get(key)
         if mapped is None:
             mapped = load_offloaded_weight(_weight_file(self.save_folder, key), info)
@@ -319,6 +346,7 @@ class OffloadedWeightsLoader(Mapping):
         state["_mapped"] = []
         state["_maps"] = {}
         state["_map_ends"] = {}
+        state.pop("_in_place", None)
         state.pop("_notebook_accel_prefetcher", None)  # a thread: utils/prefetch.py makes a new one
         return state
 
@@ -342,10 +370,22 @@ def _mappings_of(path: str, address: int) -> list:
 
 
 def root_loader(weights_map) -> Optional["OffloadedWeightsLoader"]:
-    """The OffloadedWeightsLoader under `weights_map` (through PrefixedDataset views), or None."""
-    while isinstance(weights_map, PrefixedDataset):
-        weights_map = weights_map.dataset
+    """The OffloadedWeightsLoader under `weights_map` (through PrefixedDataset views and maps that
+    wrap another as `base`, such as big_modeling's tied-weights map), or None."""
+    while True:
+        if isinstance(weights_map, PrefixedDataset):
+            weights_map = weights_map.dataset
+        elif isinstance(getattr(weights_map, "base", None), Mapping):
+            weights_map = weights_map.base
+        else:
+            break
     return weights_map if isinstance(weights_map, OffloadedWeightsLoader) else None
+
+
+def lookup(weights_map, key: str) -> torch.Tensor:
+    """`weights_map[key]`, through the loader's kept maps where the map offers them (`mapped`)."""
+    mapped = getattr(weights_map, "mapped", None)
+    return mapped(key) if mapped is not None else weights_map[key]
 
 
 def extract_submodules_state_dict(state_dict: dict, submodule_names) -> dict:

@@ -17,6 +17,7 @@ figures.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
@@ -89,7 +90,7 @@ def _mincore():
 
             _libc_mincore = ctypes.CDLL(None, use_errno=True).mincore
             _libc_mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-        except (OSError, AttributeError):
+        except Exception:  # Windows has no CDLL(None): every page counts as resident
             _libc_mincore = False
     return _libc_mincore
 
@@ -125,18 +126,20 @@ def _madvise(address: int, size: int, advice: int) -> None:
 
 
 def _load_madvise():
+    if not sys.platform.startswith("linux"):  # the advice numbers here are Linux's
+        return False
     try:
         import ctypes
 
         madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         return madvise
-    except (OSError, AttributeError):  # no libc madvise: the faults read as they come
+    except Exception:  # no libc madvise: the faults read as they come
         return False
 
 
 class Prefetcher:
-    def __init__(self, release: Optional[Callable] = None):
+    def __init__(self, release: Optional[Callable] = None, inline: bool = True):
         self._lock = threading.Lock()
         self.order: list = []  # keys in the order their hooks first ran
         self.position: dict = {}
@@ -146,9 +149,10 @@ class Prefetcher:
         self._pid = None
         self._stagers: dict = {}  # execution device -> stager (utils/staging.py)
         self.release = release  # the loader's release_pages: a staged tensor's source is let go
+        self.inline = inline  # lookups only map (OffloadedWeightsLoader.maps_in_place): done here
 
     def __reduce__(self):  # a copy or an unpickled model learns its own order, on its own thread
-        return (Prefetcher, (self.release,))
+        return (Prefetcher, (self.release, self.inline))
 
     def _executor(self) -> ThreadPoolExecutor:
         # A forked child has the object but not the thread: start afresh there.
@@ -175,9 +179,18 @@ class Prefetcher:
             # Read-aheads the order no longer reaches (a branch not taken) are let go: bounded memory.
             for stale in [k for k in self._pending if k not in wanted]:
                 self._pending.pop(stale).cancel()
-            for nxt in wanted:
-                if nxt not in self._pending and nxt in self._loaders:
-                    self._pending[nxt] = self._ahead(pool, *self._loaders[nxt])
+            for distance, nxt in enumerate(wanted, 1):
+                if nxt not in self._loaders:
+                    continue
+                load_next, device_next = self._loaders[nxt]
+                # Copied to the device one hook ahead only: device_map plans room for one
+                # offloaded layer beside the running one, not AHEAD of them.
+                stager = self._stager(device_next) if distance == 1 else None
+                if nxt not in self._pending:
+                    self._pending[nxt] = self._ahead(pool, load_next, stager)
+                elif stager is not None and not getattr(self._pending[nxt], "staged", False):
+                    self._pending[nxt] = pool.submit(self._stage, self._pending[nxt], stager)
+                self._pending[nxt].staged = stager is not None
         if future is not None and not future.cancelled():
             found = future.result()  # an error reading ahead is raised here, as a plain read would
             return found.ready() if isinstance(found, staging.Staged) else found
@@ -188,18 +201,19 @@ class Prefetcher:
             self._stagers[device] = staging.stager_for(device)
         return self._stagers[device]
 
-    def _ahead(self, pool: ThreadPoolExecutor, load: Callable[[], dict], device) -> Future:
-        # Looked up here (a lookup maps, it does not read). Pages already in the page cache are
-        # mapped here too, at once: cheap in 2 MB folios, and a hand-off to the thread costs more
-        # than that when torch keeps every core busy. Reads from the disk and copies to a device
-        # go to the thread.
+    def _ahead(self, pool: ThreadPoolExecutor, load: Callable[[], dict], stager) -> Future:
+        # Looked up here where a lookup only maps. Pages already in the page cache are mapped here
+        # too, at once: cheap in 2 MB folios, and a hand-off to the thread costs more than that
+        # when torch keeps every core busy. Reads from the disk and copies to a device go to the
+        # thread, and so do lookups that read or copy (a loader with a device).
+        if not self.inline:
+            return pool.submit(lambda: self._read(load(), stager))
         done: Future = Future()
         try:
             tensors = load()
         except Exception as exc:  # raised by the forward that needs them, as a plain read would
             done.set_exception(exc)
             return done
-        stager = self._stager(device)
         if stager is None and all(resident(t) for t in tensors.values()):
             done.set_result({name: touch(tensor) for name, tensor in tensors.items()})
             return done
@@ -207,7 +221,16 @@ class Prefetcher:
 
     def _read(self, tensors: dict, stager) -> dict:
         tensors = {name: touch(tensor) for name, tensor in tensors.items()}
-        return tensors if stager is None else stager.stage(tensors, self.release)
+        return tensors if stager is None else self._stage_now(tensors, stager)
+
+    def _stage(self, earlier: Future, stager):
+        return self._stage_now(earlier.result(), stager)  # the pool runs one job at a time, in order
+
+    def _stage_now(self, tensors: dict, stager):
+        try:
+            return stager.stage(tensors, self.release)
+        except torch.OutOfMemoryError:
+            return tensors  # no room on the device ahead: the hook copies them when it runs
 
 
 def for_map(weights_map, device=None) -> Optional[Prefetcher]:
@@ -221,5 +244,6 @@ def for_map(weights_map, device=None) -> Optional[Prefetcher]:
         return None
     found = root.__dict__.get(_ATTRIBUTE)
     if found is None:
-        found = root.__dict__[_ATTRIBUTE] = Prefetcher(root.release_pages if root.index else None)
+        release = root.release_pages if root.index else None
+        found = root.__dict__[_ATTRIBUTE] = Prefetcher(release, root.maps_in_place)
     return found

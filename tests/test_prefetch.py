@@ -388,8 +388,8 @@ def _rss_of_files(paths) -> int:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("setting", ["1", "0"])
-def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path, monkeypatch, setting):
+@pytest.mark.parametrize("setting, stored", [("1", "float32"), ("0", "float32"), ("1", "float16")])
+def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path, monkeypatch, setting, stored):
     # Disk blocks read straight from safetensors shards are views of each shard's one mapping, kept
     # open: without release_pages every block a forward used stayed in RSS (448 MB of 470 in
     # benchmarks/offload.py's model).
@@ -402,9 +402,11 @@ def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path,
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)]).eval()
     x = torch.randn(2, width)
+    # float16: the shards hold half precision, loaded as float32 (each lookup converts: a copy).
+    state = {k: v.to(getattr(torch, stored)) for k, v in model.state_dict().items()}
+    model.load_state_dict({k: v.float() for k, v in state.items()})
     with torch.no_grad():
         reference = model(x)
-    state = model.state_dict()
     shards = [str(tmp_path / f"s{i}.safetensors") for i in range(2)]
     weight_map = {}
     for i, shard in enumerate(shards):
@@ -418,7 +420,7 @@ def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path,
     block = (width * width + width) * 4
     dispatched = load_checkpoint_and_dispatch(
         empty, str(tmp_path), device_map="auto", max_memory={"cpu": 2 * block},
-        offload_folder=str(tmp_path / "offload"),
+        offload_folder=str(tmp_path / "offload"), dtype=torch.float32,
     )  # fmt: skip
     on_disk = [name for name, where in dispatched.hf_device_map.items() if where == "disk"]
     assert len(on_disk) >= depth - 2, dispatched.hf_device_map

@@ -273,17 +273,11 @@ class OffloadedWeightsLoader(Mapping):
             tensor = tensor.to(self.device)
         return tensor
 
-    @property
     def maps_in_place(self) -> bool:
-        """Whether `mapped()` only maps (no read, no copy): no device to copy to, no dtype to
-        convert a safetensors entry to. The read-ahead looks such entries up on the forward's
-        thread."""
-        if self.device is not None:
-            return False
-        found = self.__dict__.get("_in_place")
-        if found is None:
-            found = self._in_place = not any("safetensors_file" in i and "dtype" in i for i in self.index.values())
-        return found
+        """Whether `mapped()` only maps (no read, no copy): no device to copy to, and no
+        safetensors entry converted to another dtype so far. The read-ahead looks such entries up
+        on the forward's thread, and the others on its own."""
+        return self.device is None and not self.__dict__.get("_converts", False)
 
     def _from_folder(self, info: dict, key: str) -> torch.Tensor:
         mapped = self._maps.get(key)
@@ -311,7 +305,11 @@ class OffloadedWeightsLoader(Mapping):
         else:
             tensor = handle.get_tensor(info.get("weight_name", key))
         if "dtype" in info:
-            tensor = tensor.to(dtype_from_name(info["dtype"]))
+            converted = tensor.to(dtype_from_name(info["dtype"]))
+            if converted is not tensor:  # a copy: the shard's pages it was read from go back now
+                self._converts = True
+                self.release_pages([tensor])
+                tensor = converted
         return tensor
 
     def release_pages(self, tensors) -> None:
@@ -346,7 +344,7 @@ class OffloadedWeightsLoader(Mapping):
         state["_mapped"] = []
         state["_maps"] = {}
         state["_map_ends"] = {}
-        state.pop("_in_place", None)
+        state.pop("_converts", None)
         state.pop("_notebook_accel_prefetcher", None)  # a thread: utils/prefetch.py makes a new one
         return state
 

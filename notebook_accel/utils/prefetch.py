@@ -139,7 +139,7 @@ def _load_madvise():
 
 
 class Prefetcher:
-    def __init__(self, release: Optional[Callable] = None, inline: bool = True):
+    def __init__(self, release: Optional[Callable] = None, inline: Optional[Callable] = None):
         self._lock = threading.Lock()
         self.order: list = []  # keys in the order their hooks first ran
         self.position: dict = {}
@@ -149,7 +149,7 @@ class Prefetcher:
         self._pid = None
         self._stagers: dict = {}  # execution device -> stager (utils/staging.py)
         self.release = release  # the loader's release_pages: a staged tensor's source is let go
-        self.inline = inline  # lookups only map (OffloadedWeightsLoader.maps_in_place): done here
+        self.inline = inline  # True when lookups only map (the loader's maps_in_place): done here
 
     def __reduce__(self):  # a copy or an unpickled model learns its own order, on its own thread
         return (Prefetcher, (self.release, self.inline))
@@ -206,7 +206,7 @@ class Prefetcher:
         # too, at once: cheap in 2 MB folios, and a hand-off to the thread costs more than that
         # when torch keeps every core busy. Reads from the disk and copies to a device go to the
         # thread, and so do lookups that read or copy (a loader with a device).
-        if not self.inline:
+        if self.inline is not None and not self.inline():
             return pool.submit(lambda: self._read(load(), stager))
         done: Future = Future()
         try:
@@ -245,5 +245,5 @@ def for_map(weights_map, device=None) -> Optional[Prefetcher]:
     found = root.__dict__.get(_ATTRIBUTE)
     if found is None:
         release = root.release_pages if root.index else None
-        found = root.__dict__[_ATTRIBUTE] = Prefetcher(release, root.maps_in_place)
+        found = root.__dict__[_ATTRIBUTE] = Prefetcher(release, root.maps_in_place)  # bound: pickles
     return found

@@ -225,16 +225,14 @@ class Monitor:
         if now - self.doomed_since < JOIN_GRACE_S:
             return
         names = ", ".join(str(rank) for rank in sorted(left))
+        message = (
+            f"it was joining the process group (PartialState() or Accelerator()), but rank(s) {names} "
+            "returned from the function without creating the state, so the group can never form. "
+            "Create the state on every rank, or on none."
+        )
         for r in stuck:
             r.reported = True
-            failure = ev.RankFailed(
-                r.rank, r.proc.pid, None,
-                message=(
-                    f"it was joining the process group (PartialState() or Accelerator()), but rank(s) "
-                    f"{names} returned from the function without creating the state, so the group can "
-                    "never form. Create the state on every rank, or on none."
-                ),
-            )  # fmt: skip
+            failure = ev.RankFailed(r.rank, r.proc.pid, None, message=message)
             self.failures.append(failure)
             self.sink.handle(failure)
         self.stop(f"rank(s) {names} returned without joining the process group")

@@ -3,8 +3,9 @@
 `import notebook_accel` stays light: the launcher, the hardware probe, psutil, the panel and
 ipywidgets are imported by the first launch, about 0.1 s of it (benchmarks/launch.py). In a
 kernel, once the cell that imported notebook_accel has finished, they are imported on the kernel's
-own event loop, in its main thread: never inside a running cell, and never on a thread of ours (a
-fork launch while such a thread held an import lock could hang its ranks). Part of the early start
+own event loop, in its main thread: never inside a cell's synchronous code (an async cell that
+awaits lets the loop run it), and never on a thread of ours (a fork launch while such a thread
+held an import lock could hang its ranks). Part of the early start
 of launch/prewarm.py: NOTEBOOK_ACCEL_PREWARM=0 turns both off.
 """
 

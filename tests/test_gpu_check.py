@@ -21,6 +21,7 @@ CHECKS = [
     "training_step_fp16",
     "training_step_fp8",
     "dispatch_and_offload_to_cuda0",
+    "offloaded_weights_copied_to_cuda0_ahead",
 ]
 # Runs on any machine: its subprocess reports what is here without touching CUDA.
 EVERYWHERE = {"hardware_report_leaves_cuda_uninitialised"}

@@ -591,6 +591,74 @@ def check_dispatch() -> dict:
     return verdict(problems, detail, **figures)
 
 
+def check_staging() -> dict:
+    """A disk-offloaded forward on cuda:0 with the read-ahead off and on: with it on, the next
+    layer's weights are copied ahead (pinned memory, side stream: utils/staging.py)."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from notebook_accel import disk_offload, hooks, init_empty_weights
+    from notebook_accel.utils import staging
+
+    torch.set_float32_matmul_precision("highest")
+
+    def build():
+        return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])
+
+    torch.manual_seed(0)
+    reference = build().eval()
+    x = torch.randn(8, 2048)
+    with torch.no_grad():
+        expected = reference(x)
+    staged = []
+    stage = staging.CudaStager.stage
+
+    def counted(self, tensors, release=None):
+        staged.append(len(tensors))
+        return stage(self, tensors, release)
+
+    staging.CudaStager.stage = counted
+    problems, figures = [], {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            disk_offload(copy.deepcopy(reference), os.path.join(tmp, "w"), execution_device=0)  # writes the folder
+            for setting in ("0", "1", "0", "1"):
+                hooks.PREFETCH = setting
+                with init_empty_weights():
+                    model = build().eval()
+                model = disk_offload(model, os.path.join(tmp, "w"), execution_device=0)
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                times = []
+                with torch.no_grad():
+                    model(x)
+                    for _ in range(5):
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        out = model(x)
+                        torch.cuda.synchronize()
+                        times.append(time.perf_counter() - start)
+                diff = (out.cpu() - expected).abs().max().item()
+                if not torch.allclose(out.cpu(), expected, atol=1e-4):
+                    problems.append(f"PREFETCH={setting}: output differs by {diff:.2e}")
+                figures.setdefault(f"prefetch_{setting}_ms", []).append(1000 * statistics.median(times))
+                figures[f"prefetch_{setting}_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+                del model
+    finally:
+        staging.CudaStager.stage = stage
+        hooks.PREFETCH = os.environ.get("NOTEBOOK_ACCEL_PREFETCH", "1")
+    figures["staged_calls"] = len(staged)
+    if not staged:
+        problems.append("the read-ahead never copied a layer to cuda:0 ahead")
+    detail = (f"forward ms, read-ahead off {figures['prefetch_0_ms']}, on {figures['prefetch_1_ms']}; "
+              f"peak GPU MiB off {figures['prefetch_0_peak_mib']:.1f}, on {figures['prefetch_1_peak_mib']:.1f}; "
+              f"{len(staged)} layers staged")  # fmt: skip
+    return verdict(problems, detail, **figures)
+
+
 # -- running them ---------------------------------------------------------------------------------
 
 
@@ -649,6 +717,7 @@ def main(argv=None) -> int:
             ("training_step_fp16", needs_cuda(check_training, "fp16", timings)),
             ("training_step_fp8", needs_cuda(check_training, "fp8", timings)),
             ("dispatch_and_offload_to_cuda0", needs_cuda(check_dispatch)),
+            ("offloaded_weights_copied_to_cuda0_ahead", needs_cuda(check_staging)),
         ]
         results = [run_check(name, function) for name, function in checks]
 

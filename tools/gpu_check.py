@@ -496,12 +496,29 @@ def check_training(mixed_precision: str, timings: dict) -> dict:
 # -- 5: device maps and offload onto cuda:0 -------------------------------------------------------
 
 
+def _mlp(width: int, batch: int) -> tuple:
+    """(build, a seeded reference model, an input, its output) for the offload checks."""
+    import torch
+    from torch import nn
+
+    torch.set_float32_matmul_precision("highest")  # TF32 alone would miss atol=1e-4
+
+    def build():
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
+
+    torch.manual_seed(0)
+    reference = build().eval()
+    x = torch.randn(batch, width)
+    with torch.no_grad():
+        expected = reference(x)
+    return build, reference, x, expected
+
+
 def check_dispatch() -> dict:
     import copy
 
     import torch
     from safetensors.torch import save_file
-    from torch import nn
 
     from notebook_accel import (
         cpu_offload,
@@ -511,16 +528,7 @@ def check_dispatch() -> dict:
         load_checkpoint_and_dispatch,
     )
 
-    torch.set_float32_matmul_precision("highest")  # TF32 alone would miss atol=1e-4
-
-    def build():
-        return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
-
-    torch.manual_seed(0)
-    reference = build().eval()
-    x = torch.randn(4, 1024)
-    with torch.no_grad():
-        expected = reference(x)
+    build, reference, x, expected = _mlp(1024, 4)
     full_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     problems, figures = [], {"model_bytes": full_bytes}
 
@@ -597,21 +605,11 @@ def check_staging() -> dict:
     import copy
 
     import torch
-    from torch import nn
 
     from notebook_accel import disk_offload, hooks, init_empty_weights
     from notebook_accel.utils import staging
 
-    torch.set_float32_matmul_precision("highest")
-
-    def build():
-        return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])
-
-    torch.manual_seed(0)
-    reference = build().eval()
-    x = torch.randn(8, 2048)
-    with torch.no_grad():
-        expected = reference(x)
+    build, reference, x, expected = _mlp(2048, 8)
     staged = []
     stage = staging.CudaStager.stage
 

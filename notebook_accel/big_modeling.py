@@ -251,18 +251,18 @@ class _TiedWeights(Mapping):
         self.aliases = aliases  # name -> another name in base, or a tensor
 
     def __getitem__(self, key):
-        if key in self.base:
-            return self.base[key]
-        target = self.aliases[key]
-        return target if isinstance(target, torch.Tensor) else self.base[target]
+        return self._get(key, lambda name: self.base[name])
 
-    def mapped(self, key):
+    def mapped(self, key):  # the hooks' lookup: through the loader's kept maps (utils/offload.py)
         from .utils.offload import lookup
 
+        return self._get(key, lambda name: lookup(self.base, name))
+
+    def _get(self, key, get):
         if key in self.base:
-            return lookup(self.base, key)
+            return get(key)
         target = self.aliases[key]
-        return target if isinstance(target, torch.Tensor) else lookup(self.base, target)
+        return target if isinstance(target, torch.Tensor) else get(target)
 
     def __contains__(self, key):
         return key in self.aliases or key in self.base

@@ -145,6 +145,7 @@ class Prefetcher:
         self.position: dict = {}
         self._loaders: dict = {}  # key -> (callable returning {name: tensor}, execution device)
         self._pending: dict = {}  # key -> Future
+        self._staged: set = set()  # keys whose pending read also copies to the device
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pid = None
         self._stagers: dict = {}  # execution device -> stager (utils/staging.py)
@@ -160,6 +161,7 @@ class Prefetcher:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="notebook_accel-prefetch")
             self._pid = os.getpid()
             self._pending = {}
+            self._staged = set()
             self._stagers = {}
         return self._pool
 
@@ -174,11 +176,13 @@ class Prefetcher:
                 self.position[key] = len(self.order)
                 self.order.append(key)
             future = self._pending.pop(key, None)
+            self._staged.discard(key)
             here = self.position[key]
             wanted = [self.order[i] for i in range(here + 1, min(here + 1 + AHEAD, len(self.order)))]
             # Read-aheads the order no longer reaches (a branch not taken) are let go: bounded memory.
             for stale in [k for k in self._pending if k not in wanted]:
                 self._pending.pop(stale).cancel()
+                self._staged.discard(stale)
             for distance, nxt in enumerate(wanted, 1):
                 if nxt not in self._loaders:
                     continue
@@ -188,9 +192,10 @@ class Prefetcher:
                 stager = self._stager(device_next) if distance == 1 else None
                 if nxt not in self._pending:
                     self._pending[nxt] = self._ahead(pool, load_next, stager)
-                elif stager is not None and not getattr(self._pending[nxt], "staged", False):
+                elif stager is not None and nxt not in self._staged:
                     self._pending[nxt] = pool.submit(self._stage, self._pending[nxt], stager)
-                self._pending[nxt].staged = stager is not None
+                if stager is not None:
+                    self._staged.add(nxt)
         if future is not None and not future.cancelled():
             found = future.result()  # an error reading ahead is raised here, as a plain read would
             return found.ready() if isinstance(found, staging.Staged) else found

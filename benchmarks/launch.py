@@ -170,10 +170,14 @@ for _ in range(3):  # the baseline where the launch runs: a fork of this kernel,
     _t5 = _t.perf_counter()
     _bench.launch_raw({world}, "fork")
     _raw.append(_t.perf_counter() - _t5)
-_m = _p.Process(_W._instance.proc.pid).memory_full_info()
+_t.sleep(1.0)  # the server forks its spares again once idle
+_server = _p.Process(_W._instance.proc.pid)
+_m = _server.memory_full_info()
+_sp = [c.memory_full_info() for c in _server.children() if c.name() == "accel-spare"]
 print(_j.dumps({{"import_s": _t1 - _t0, "children_after_import": _children, "launch_s": _t3 - _t2,
                  "server_wait_s": _t2b - _t2, "raw_fork_s": sorted(_raw)[1],
-                 "second_launch_s": _t4 - _t3, "server_pss": _m.pss, "server_uss": _m.uss, "server_rss": _m.rss}}))
+                 "second_launch_s": _t4 - _t3, "server_pss": _m.pss, "server_uss": _m.uss, "server_rss": _m.rss,
+                 "spares": len(_sp), "spares_pss": sum(m.pss for m in _sp), "spares_uss": sum(m.uss for m in _sp)}}))
 """
 
 
@@ -463,6 +467,9 @@ def kernel_markdown(in_kernels: dict) -> str:
         f"| the idle server's PSS after them (MiB) | {mm(on, 'server_pss', mib, 1)} | {mm(off, 'server_pss', mib, 1)} |",
         f"| its USS (MiB) | {mm(on, 'server_uss', mib, 1)} | {mm(off, 'server_uss', mib, 1)} |",
         f"| its RSS (MiB) | {mm(on, 'server_rss', mib, 1)} | {mm(off, 'server_rss', mib, 1)} |",
+        f"| its idle spares (ranks forked ahead) | {mm(on, 'spares', 1, 0)} | {mm(off, 'spares', 1, 0)} |",
+        f"| their PSS, all together (MiB) | {mm(on, 'spares_pss', mib, 1)} | {mm(off, 'spares_pss', mib, 1)} |",
+        f"| their USS, all together (MiB) | {mm(on, 'spares_uss', mib, 1)} | {mm(off, 'spares_uss', mib, 1)} |",
     ]
     return "\n".join(rows)
 

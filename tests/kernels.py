@@ -82,11 +82,16 @@ def alive(process) -> bool:
 
 def kernel_children(km, helpers: bool = False) -> list:
     """The kernel's live descendants; without `helpers`, less its warm forkserver (the process
-    itself, not its ranks), which a kernel keeps up by design once notebook_accel is imported."""
+    itself and its idle spares, not its ranks), which a kernel keeps up by design once
+    notebook_accel is imported."""
+    from orphans import idle_spares
+
     found = [p for p in psutil.Process(km.provisioner.pid).children(recursive=True) if alive(p)]
     if helpers:
         return found
-    return [p for p in found if not (p.ppid() == km.provisioner.pid and _is_forkserver(p))]
+    servers = [p.pid for p in found if p.ppid() == km.provisioner.pid and _is_forkserver(p)]
+    spares = set().union(*(idle_spares(pid) for pid in servers))
+    return [p for p in found if p.pid not in {*servers, *spares}]
 
 
 def _is_forkserver(process) -> bool:

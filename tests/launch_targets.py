@@ -285,3 +285,9 @@ def join_unless_rank(skip: int) -> int:
 
         PartialState()
     return rank
+
+
+def process_name() -> dict:
+    """This rank's pid, parent and name (what `ps` shows)."""
+    with open("/proc/self/comm") as f:
+        return {"pid": os.getpid(), "ppid": os.getppid(), "name": f.read().strip()}

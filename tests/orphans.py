@@ -16,13 +16,33 @@ def children() -> dict:
 
 
 def long_lived_helpers() -> set:
-    # The warm forkserver stays up between launches by design; its ranks must not. So does the
-    # resource tracker multiprocessing starts with its first spawned process (xmp.spawn's, TPU tests).
+    # The warm forkserver stays up between launches by design, with its idle spares; its ranks must
+    # not. So does the resource tracker multiprocessing starts with its first spawned process
+    # (xmp.spawn's, TPU tests).
     from multiprocessing import resource_tracker
 
     from notebook_accel.launch.warm import WarmServer
 
     server = WarmServer._instance
-    helpers = {server.proc.pid} if server is not None and server.proc.poll() is None else set()
+    helpers = set()
+    if server is not None and server.proc.poll() is None:
+        helpers = {server.proc.pid, *idle_spares(server.proc.pid)}
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
     return helpers | ({tracker} if tracker else set())
+
+
+def idle_spares(server_pid: int) -> set:
+    """The pids of the ranks a forkserver forked ahead and has not handed a launch yet."""
+    from notebook_accel.launch.spares import SPARE_NAME
+
+    found = set()
+    try:
+        for p in psutil.Process(server_pid).children():
+            try:
+                if p.name() == SPARE_NAME:
+                    found.add(p.pid)
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return found

@@ -26,6 +26,7 @@ from typing import Optional
 # server early (prewarm), and that import is part of `import notebook_accel`.
 
 SERVER_START_S = 120.0  # booting (torch, torch._dynamo) takes about 4.5 s; past this it is stuck, not slow
+SPARES_IDLE_S = 0.25  # the server forks spares once it has had no request for this long
 SERVER_CODE = "from notebook_accel.launch.warm import serve; serve()"
 # torch._dynamo: DistributedDataParallel imports it at construction, about 1 s per rank otherwise.
 PRELOAD = (
@@ -44,6 +45,7 @@ def serve() -> None:
 
     from .channel import send_frame
     from .procs import end_group
+    from .spares import Spares, most_wanted, wait_for_request
 
     sock = socket.socket(fileno=int(os.environ.pop("NOTEBOOK_ACCEL_SERVER_FD")))
     with _exit_with_parent_while_booting():
@@ -60,9 +62,18 @@ def serve() -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     sel.register(wake_r, selectors.EVENT_READ, "child")
+    own_fds = [sock.fileno(), wake_r, wake_w]
+
+    def spare(theirs: socket.socket, close: list) -> None:
+        request, fds = wait_for_request(theirs, close)
+        _run_rank(request, fds)
+
+    spares = Spares(most_wanted())
+    spares.fill(spare, own_fds)
     children: set = set()
     while True:
-        for key, _ in sel.select(timeout=1.0):
+        events = sel.select(timeout=1.0 if len(spares.idle) >= spares.want else SPARES_IDLE_S)
+        for key, _ in events:
             if key.data == "child":
                 try:
                     os.read(wake_r, 4096)
@@ -76,9 +87,17 @@ def serve() -> None:
                     request, fds = _recv_request(sock)
                 except EOFError:
                     os._exit(0)
-                pid = _fork_rank(request, fds, sock)
+                pid = spares.hand(request, fds)
+                if pid is None:
+                    pid = _fork_rank(request, fds, [*own_fds, *(s.fileno() for s in spares.server_ends())])
+                for fd in fds:
+                    os.close(fd)
+                spares.asked(request.get("of", 1))
                 children.add(pid)
                 send_frame(sock, ("pid", request["token"], request["local_rank"], pid))
+        if not events:  # idle: fork ahead what the next launch will want
+            spares.reap()
+            spares.fill(spare, own_fds)
         for pid in list(children):
             if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
                 continue
@@ -119,31 +138,39 @@ def _recv_request(sock: socket.socket):
     return recv_frame_with_fds(sock, 3)
 
 
-def _fork_rank(request: dict, fds: list, server_sock: socket.socket) -> int:
-    from . import child
-
+def _fork_rank(request: dict, fds: list, close: list) -> int:
+    """Fork a rank now (no spare was ready); `close` are the server's fds the rank must not hold."""
     pid = os.fork()
     if pid == 0:
-        code = 1
         try:
             os.setpgid(0, 0)
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            server_sock.close()
-            _enter_launcher_context(request["context"])
-            payload = request["payload"]
-
-            def load():
-                from .payload import loads
-
-                return loads(payload)
-
-            code = child.run(request["rank"], tuple(fds), request["env"], request["threads"], load)
+            for fd in close:
+                os.close(fd)
+            _run_rank(request, fds)
         finally:
-            os._exit(code)
-    for fd in fds:
-        os.close(fd)
+            os._exit(1)
     return pid
+
+
+def _run_rank(request: dict, fds: list) -> None:
+    """In a forked rank or a spare given its request: run it and exit."""
+    from . import child
+
+    code = 1
+    try:
+        _enter_launcher_context(request["context"])
+        payload = request["payload"]
+
+        def load():
+            from .payload import loads
+
+            return loads(payload)
+
+        code = child.run(request["rank"], tuple(fds), request["env"], request["threads"], load)
+    finally:
+        os._exit(code)
 
 
 def _enter_launcher_context(context: tuple) -> None:
@@ -184,6 +211,9 @@ class WarmServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         # A server that has never run a parallel op may keep the default thread count.
         env.pop("OMP_NUM_THREADS", None)
+        from . import spares
+
+        env[spares.ENV] = str(spares.most_wanted())  # read here, so a bad value is named where the user looks
         # No lowered priority (nice): its ranks would inherit it, and cannot raise it back.
         self.proc = subprocess.Popen(
             [sys.executable, "-c", SERVER_CODE],
@@ -301,7 +331,7 @@ class WarmServer:
                 for local_rank, rank, env, threads, payload in requests:
                     parents, children = _channels()
                     request = {"token": token, "local_rank": local_rank, "rank": rank, "env": env}
-                    request.update(threads=threads, payload=payload, context=context)
+                    request.update(threads=threads, payload=payload, context=context, of=len(requests))
                     try:
                         send_frame_with_fds(self.sock, request, [c.fileno() for c in children])
                     except OSError as exc:

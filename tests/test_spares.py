@@ -64,7 +64,7 @@ def test_a_launch_runs_on_the_spares_and_the_server_forks_as_many_again(fresh_se
 def test_spares_off(fresh_server, no_orphans):
     fresh_server.setenv(spares.ENV, "0")
     server = WarmServer.get()
-    time.sleep(1.0)  # longer than the server's idle wait before it forks spares
+    time.sleep(1.0)  # spares, were there any, are forked at once when the server is ready
     assert idle_spares(server.proc.pid) == set()
     ranks = launch(2)
     assert {r["ppid"] for r in ranks} == {server.proc.pid}

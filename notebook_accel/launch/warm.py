@@ -26,7 +26,6 @@ from typing import Optional
 # server early (prewarm), and that import is part of `import notebook_accel`.
 
 SERVER_START_S = 120.0  # booting (torch, torch._dynamo) takes about 4.5 s; past this it is stuck, not slow
-SPARES_IDLE_S = 0.25  # the server forks spares once it has had no request for this long
 SERVER_CODE = "from notebook_accel.launch.warm import serve; serve()"
 # torch._dynamo: DistributedDataParallel imports it at construction, about 1 s per rank otherwise.
 PRELOAD = (
@@ -72,7 +71,7 @@ def serve() -> None:
     spares.fill(spare, own_fds)
     children: set = set()
     while True:
-        events = sel.select(timeout=1.0 if len(spares.idle) >= spares.want else SPARES_IDLE_S)
+        events = sel.select(timeout=1.0)
         for key, _ in events:
             if key.data == "child":
                 try:
@@ -95,7 +94,9 @@ def serve() -> None:
                 spares.asked(request.get("of", 1))
                 children.add(pid)
                 send_frame(sock, ("pid", request["token"], request["local_rank"], pid))
-        if not events:  # idle: fork ahead what the next launch will want
+                if not select.select([sock], [], [], 0)[0]:  # the launch's last request: ready the next
+                    spares.fill(spare, own_fds)
+        if not events:  # idle: replace spares that died
             spares.reap()
             spares.fill(spare, own_fds)
         for pid in list(children):

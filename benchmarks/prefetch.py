@@ -27,12 +27,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from notebook_accel import disk_offload, hooks, init_empty_weights  # noqa: E402
+from notebook_accel.utils import prefetch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from offload import BATCH, WIDTH, _model_classes  # noqa: E402
 from offload import _read_folder as _read  # noqa: E402
 
 MODES = ("0", "1")  # NOTEBOOK_ACCEL_PREFETCH: off, on (the default)
+# Cold, also: on, but the forward keeps every torch thread while it waits for the disk (no room made)
+COLD_MODES = (*MODES, "1-keep")
 
 
 def _evict(folder: str) -> bool:
@@ -84,7 +87,8 @@ def _reset_hwm() -> bool:
 
 
 def _offloaded(MLP, folder: str, mode: str):
-    hooks.PREFETCH = mode  # read when each hook first runs: set before the model's first forward
+    hooks.PREFETCH = mode.split("-")[0]  # read when each hook first runs: set before the first forward
+    prefetch.MAKE_ROOM = not mode.endswith("-keep")
     with init_empty_weights():
         model = MLP().eval()
     return disk_offload(model, folder, execution_device="cpu")
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
                 samples.setdefault("cold/map", {"s": [], "added": []})["s"].append(_map_folder(folder))
             for threads in thread_counts:
                 torch.set_num_threads(threads)
-                for mode in MODES if rnd % 2 == 0 else MODES[::-1]:
+                for mode in COLD_MODES if rnd % 2 == 0 else COLD_MODES[::-1]:
                     entry = samples.setdefault(f"cold{threads}/{mode}", {"s": [], "added": []})
                     times, added = _forwards(_offloaded(MLP, folder, mode), x, y, options.cold, cold=folder)
                     entry["s"] += times
@@ -193,6 +197,13 @@ def main(argv=None) -> int:
         cells += [f"{v / floor:.2f}" for v in times]
         cells.append(", ".join(f"{mb(k):.0f}" for k in keys))
         print(f"| {label} | " + " | ".join(cells) + " |")
+    for t in thread_counts:
+        kept, cold_floor = med(f"cold{t}/1-keep"), max(med(f"{t}/ram") or 0, min(med("cold/read") or 0, med("cold/map") or 0))
+        if kept is not None and cold_floor:
+            print(
+                f"\nCold, {t} torch threads, read-ahead on but every thread kept while the forward waits for the "
+                f"disk (no room made): {kept * 1e3:.1f} ms, {kept / cold_floor:.2f}x the floor; added {mb(f'cold{t}/1-keep'):.0f} MB"
+            )
     if options.json:
         with open(options.json, "w") as f:
             json.dump(samples, f)

@@ -100,12 +100,16 @@ class SequentialHook(ModelHook):
 
 def _hooked_forward(module: nn.Module, *args, **kwargs):
     hook = module._hf_hook
-    args, kwargs = hook.pre_forward(module, *args, **kwargs)
-    if hook.no_grad:
-        with torch.no_grad():
+    try:
+        args, kwargs = hook.pre_forward(module, *args, **kwargs)
+        if hook.no_grad:
+            with torch.no_grad():
+                output = module._old_forward(*args, **kwargs)
+        else:
             output = module._old_forward(*args, **kwargs)
-    else:
-        output = module._old_forward(*args, **kwargs)
+    except BaseException:
+        prefetch.give_room_back()  # a forward that raised while reading ahead keeps no thread
+        raise
     return hook.post_forward(module, output)
 
 

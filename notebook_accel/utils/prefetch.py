@@ -29,6 +29,8 @@ from . import staging
 AHEAD = 2  # hooks read ahead of the one running: the bytes added are at most this many blocks
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ATTRIBUTE = "_notebook_accel_prefetcher"
+MAKE_ROOM = True  # make_room() on or off (benchmarks/prefetch.py measures both)
+_room = threading.local()  # .threads: the forward thread's torch thread count before it made room
 
 
 def wanted(setting: str, execution_device) -> bool:
@@ -138,6 +140,37 @@ def _load_madvise():
         return False
 
 
+def make_room(needed: bool) -> None:
+    """While the forward waits for the disk, compute with one torch thread fewer when torch has a
+    thread for every core: OpenMP's threads spin between operations and keep the reading thread
+    off the CPU (a cold forward on 2 cores ran 1.4-1.5x its floor; with room, at its floor).
+    Per thread, as OpenMP's thread count is; undone by `make_room(False)` or `give_room_back()`."""
+    if not (needed and MAKE_ROOM):
+        give_room_back()
+        return
+    if getattr(_room, "threads", None) is not None:
+        return
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if 1 < threads and threads >= cores:
+        torch.set_num_threads(threads - 1)
+        _room.threads = threads
+
+
+def give_room_back() -> None:
+    """Restore the thread count `make_room` lowered, unless the forward set another since."""
+    threads = getattr(_room, "threads", None)
+    if threads is None:
+        return
+    _room.threads = None
+    if torch.get_num_threads() == threads - 1:
+        torch.set_num_threads(threads)
+
+
+def room_made() -> bool:
+    return getattr(_room, "threads", None) is not None
+
+
 class Prefetcher:
     def __init__(self, release: Optional[Callable] = None, inline: Optional[Callable] = None):
         self._lock = threading.Lock()
@@ -146,6 +179,7 @@ class Prefetcher:
         self._loaders: dict = {}  # key -> (callable returning {name: tensor}, execution device)
         self._pending: dict = {}  # key -> Future
         self._staged: set = set()  # keys whose pending read also copies to the device
+        self._reading: set = set()  # keys whose pending future reads from the disk (or copies)
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pid = None
         self._stagers: dict = {}  # execution device -> stager (utils/staging.py)
@@ -162,6 +196,7 @@ class Prefetcher:
             self._pid = os.getpid()
             self._pending = {}
             self._staged = set()
+            self._reading = set()
             self._stagers = {}
         return self._pool
 
@@ -177,12 +212,15 @@ class Prefetcher:
                 self.order.append(key)
             future = self._pending.pop(key, None)
             self._staged.discard(key)
+            self._reading.discard(key)
+            waited = future is not None and not future.done()  # the forward caught up with the disk
             here = self.position[key]
             wanted = [self.order[i] for i in range(here + 1, min(here + 1 + AHEAD, len(self.order)))]
             # Read-aheads the order no longer reaches (a branch not taken) are let go: bounded memory.
             for stale in [k for k in self._pending if k not in wanted]:
                 self._pending.pop(stale).cancel()
                 self._staged.discard(stale)
+                self._reading.discard(stale)
             for distance, nxt in enumerate(wanted, 1):
                 if nxt not in self._loaders:
                     continue
@@ -196,6 +234,12 @@ class Prefetcher:
                     self._pending[nxt] = pool.submit(self._stage, self._pending[nxt], stager)
                 if stager is not None:
                     self._staged.add(nxt)
+                if not self._pending[nxt].done():
+                    self._reading.add(nxt)
+            reading = any(not self._pending[k].done() for k in self._reading)
+        # Room is made once the forward has waited for a read, and kept while reads are in
+        # flight: a forward whose reads keep ahead of it (compute-bound) never loses a thread.
+        make_room(reading and (waited or room_made()))
         if future is not None and not future.cancelled():
             found = future.result()  # an error reading ahead is raised here, as a plain read would
             return found.ready() if isinstance(found, staging.Staged) else found

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from .utils import prefetch
-from .utils.modeling import named_module_tensors, set_module_tensor_to_device, to_torch_device
+from .utils.modeling import _owner, named_module_tensors, set_module_tensor_to_device, to_torch_device
 from .utils.offload import PrefixedDataset, lookup, root_loader
 from .utils.operations import send_to_device
 
@@ -238,6 +238,7 @@ class AlignDevicesHook(ModelHook):
         self._tied_to_release: set = set()
         self._prefetcher = _UNSET  # the weights map's read-ahead (utils/prefetch.py), found on first use
         self._sources: list = []  # what the weights map gave this forward (released after it)
+        self._metas: list = []  # (name, the meta tensor it had before this forward)
 
     def __repr__(self) -> str:
         return (
@@ -302,7 +303,10 @@ class AlignDevicesHook(ModelHook):
             tied = self.tied_params_map
             # The map's inner keys are torch.device objects (0 and "cuda:0" are one device).
             target = to_torch_device(self.execution_device) if tied is not None else None
-            names = [name for name, _ in self._offloaded_tensors(module)]
+            before = list(self._offloaded_tensors(module))
+            # Their meta tensors, put back after the forward: cheaper than making new ones.
+            self._metas = [(name, t) for name, t in before if t.device.type == "meta"]
+            names = [name for name, _ in before]
             values = self._read(names)
             self._sources = list(values.values())  # released after the forward, copied or not
             for name in names:
@@ -338,8 +342,14 @@ class AlignDevicesHook(ModelHook):
 
     def post_forward(self, module, output):
         if self.offload:
-            for name, _ in list(self._offloaded_tensors(module)):
-                set_module_tensor_to_device(module, name, "meta")
+            metas, self._metas = self._metas, []
+            if len(metas) == len(self._sources):
+                for name, meta in metas:
+                    owner, local = _owner(module, name)
+                    (owner._buffers if local in owner._buffers else owner._parameters)[local] = meta
+            else:  # some were not on meta before the forward (set by hand): make meta tensors
+                for name, _ in list(self._offloaded_tensors(module)):
+                    set_module_tensor_to_device(module, name, "meta")
             loader = root_loader(self.weights_map)
             if loader is not None and loader.index:
                 # What the map gave, not the module's tensors: those are copies when the weights

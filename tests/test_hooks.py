@@ -174,6 +174,27 @@ def test_offload_hook_streams_weights_and_detach_restores_them():
     torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=0)
 
 
+def test_after_a_forward_offloaded_tensors_are_the_meta_tensors_they_were_before():
+    model = Normed().eval()
+    x = torch.randn(3, 4)
+    expected = model(x)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    hook = AlignDevicesHook("cpu", offload=True, weights_map=weights, offload_buffers=True, place_submodules=True)
+    add_hook_to_module(model, hook)
+    model.linear.bias.requires_grad_(False)
+    before = {name: t for name, t in model.named_parameters()} | dict(model.named_buffers())
+    assert {t.device.type for name, t in before.items() if name != "scale"} == {"meta"}
+    for _ in range(2):
+        torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=0)
+        after = {name: t for name, t in model.named_parameters()} | dict(model.named_buffers())
+        assert all(after[name] is t for name, t in before.items()), after  # the same objects, not new ones
+    assert isinstance(model.linear.weight, nn.Parameter) and not model.linear.bias.requires_grad
+    # One set by hand to real data before a forward is made meta after it, as before.
+    model.linear.weight = nn.Parameter(weights["linear.weight"].clone())
+    torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=0)
+    assert model.linear.weight.device.type == "meta" and isinstance(model.linear.weight, nn.Parameter)
+
+
 def test_offload_buffers_keeps_non_persistent_buffers_real():
     model = Normed().eval()
     x = torch.randn(3, 4)

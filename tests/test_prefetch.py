@@ -427,6 +427,11 @@ def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path,
     from notebook_accel import hooks, init_empty_weights, load_checkpoint_and_dispatch
 
     monkeypatch.setattr(hooks, "PREFETCH", setting)
+    reads = []  # the hooks' lookups that asked safetensors for a tensor
+    from_shard = OffloadedWeightsLoader._from_safetensors
+    monkeypatch.setattr(
+        OffloadedWeightsLoader, "_from_safetensors", lambda self, info, key: reads.append(key) or from_shard(self, info, key)
+    )
     width, depth = 256, 16
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)]).eval()
@@ -453,12 +458,18 @@ def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path,
     )  # fmt: skip
     on_disk = [name for name, where in dispatched.hf_device_map.items() if where == "disk"]
     assert len(on_disk) >= depth - 2, dispatched.hf_device_map
+    per_forward = []
     with torch.no_grad():
         for _ in range(3):
+            reads.clear()
             assert torch.equal(dispatched(x), reference)
+            per_forward.append(len(reads))
             # The CPU block, the last block or two and pages mapped around them stay; without
             # release_pages all 16 blocks would (seen: at most 5 with it).
             assert _rss_of_files(shards) <= depth // 2 * block, _rss_of_files(shards)
+    # Views of a shard's mapping are kept after the first forward; converted copies are made anew.
+    disk_tensors = 2 * len(on_disk)
+    assert per_forward == ([disk_tensors, 0, 0] if stored == "float32" else [disk_tensors] * 3), per_forward
 
 
 @pytest.mark.timeout(60)

@@ -47,7 +47,7 @@ def slow_disk(monkeypatch, seconds: float) -> None:
         time.sleep(seconds)
         return touch(tensor)
 
-    monkeypatch.setattr(prefetch, "resident", lambda tensor, samples=8: False)
+    monkeypatch.setattr(prefetch, "resident", lambda tensor, samples=4: False)
     monkeypatch.setattr(prefetch, "touch", slow_touch)
 
 

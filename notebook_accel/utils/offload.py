@@ -240,6 +240,7 @@ class OffloadedWeightsLoader(Mapping):
         self._maps: dict = {}  # key -> the tensor mapping its offload folder file
         self._map_ends: dict = {}  # start -> end of each of those maps
         self._mapped: list = []  # (start, end) of the safetensors files those handles map
+        self._views: dict = {}  # key -> its tensor in one of those maps (the hooks' lookups)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         """The tensor of `key`; one of the offload folder is a fresh map of its file, so what a
@@ -259,7 +260,12 @@ class OffloadedWeightsLoader(Mapping):
         if info is None:
             raise KeyError(key)
         if "safetensors_file" in info:
+            tensor = self._views.get(key) if shared else None
+            if tensor is not None:
+                return tensor.view(tensor.shape)
             tensor = self._from_safetensors(info, key)
+            if shared and self.device is None and self._in_shard_map(tensor):
+                self._views[key] = tensor  # a view of the shard's one mapping: kept, as folder maps are
         else:
             if self.save_folder is None:
                 raise ValueError(
@@ -311,6 +317,10 @@ class OffloadedWeightsLoader(Mapping):
                 self.release_pages([tensor])
                 tensor = converted
         return tensor
+
+    def _in_shard_map(self, tensor: torch.Tensor) -> bool:
+        start = tensor.data_ptr()
+        return tensor.device.type == "cpu" and any(low <= start < high for low, high in self._mapped)
 
     def release_pages(self, tensors) -> None:
         """Let the kernel take back the pages of `tensors` that are views of a file this loader

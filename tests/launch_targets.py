@@ -291,3 +291,25 @@ def process_name() -> dict:
     """This rank's pid, parent and name (what `ps` shows)."""
     with open("/proc/self/comm") as f:
         return {"pid": os.getpid(), "ppid": os.getppid(), "name": f.read().strip()}
+
+
+def join_with_rank0_late(delay: float) -> dict:
+    """Rank 0 begins joining the group `delay` s after the others; what each rank's wait for rank 0's
+    store (utils/peers.wait_for_listener) returned, and when, against when rank 0 began joining."""
+    from notebook_accel.state import PartialState
+    from notebook_accel.utils import peers
+
+    seen = {}
+    probe = peers.wait_for_listener
+
+    def watched(*args, **kwargs):
+        seen["listening"] = probe(*args, **kwargs)
+        seen["at"] = time.time()
+        return seen["listening"]
+
+    peers.wait_for_listener = watched
+    if os.environ["RANK"] == "0":
+        time.sleep(delay)
+    seen["began"] = time.time()
+    PartialState()
+    return seen

@@ -1,8 +1,9 @@
 """Ranks the forkserver forked ahead (issue #19): each waits on its own socket for a launch request.
 
 Forking a rank from the server (which holds torch, 290 MiB) copies its page tables: about 6 ms per
-rank, on the launch's path. Spares are forked when the server is ready and right after each
-launch's last request (while its ranks run), so the next launch hands them its requests instead. The server keeps as many as the last launch asked for (2 at first), at most
+rank, on the launch's path. Spares are forked when the server is ready and once it has been idle
+0.25 s after a launch (not while that launch's ranks start, which it would slow), so the next
+launch hands them its requests instead; launches back to back fork what they need. The server keeps as many as the last launch asked for (2 at first), at most
 NOTEBOOK_ACCEL_SPARES (default 8; 0 turns them off). An idle spare is named `SPARE_NAME` (what `ps`
 and psutil's `name()` show) and exits when the server goes (its socket ends).
 """

@@ -118,7 +118,8 @@ def wait_for_listener(addr: str, port: int, seconds: float = 60.0) -> bool:
     import socket
 
     deadline = time.monotonic() + seconds
-    pause = 0.001  # longer as it waits: a rank 0 busy for a minute costs a few hundred probes
+    pause = 0.001  # longer after the first 0.1 s: a rank 0 busy for a minute costs a few thousand probes
+    quick_until = time.monotonic() + 0.1
     while True:
         with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -129,4 +130,5 @@ def wait_for_listener(addr: str, port: int, seconds: float = 60.0) -> bool:
         if time.monotonic() >= deadline:
             return False  # torch's own connect takes over, with its back-off
         time.sleep(pause)
-        pause = min(pause * 1.5, 0.05)
+        if time.monotonic() > quick_until:
+            pause = min(pause * 1.5, 0.02)

@@ -100,6 +100,7 @@ class SequentialHook(ModelHook):
 
 def _hooked_forward(module: nn.Module, *args, **kwargs):
     hook = module._hf_hook
+    prefetch.forward_entered()
     try:
         args, kwargs = hook.pre_forward(module, *args, **kwargs)
         if hook.no_grad:
@@ -107,10 +108,9 @@ def _hooked_forward(module: nn.Module, *args, **kwargs):
                 output = module._old_forward(*args, **kwargs)
         else:
             output = module._old_forward(*args, **kwargs)
-    except BaseException:
-        prefetch.give_room_back()  # a forward that raised while reading ahead keeps no thread
-        raise
-    return hook.post_forward(module, output)
+        return hook.post_forward(module, output)
+    finally:
+        prefetch.forward_left()  # the outermost hooked forward over (or raised): a thread given up is back
 
 
 def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False) -> nn.Module:

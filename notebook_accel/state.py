@@ -79,7 +79,8 @@ def _init_process_group(
     peers.tell("joining")
     if store is None and init_method is None and env.rank != 0 and env.local_world_size == env.world_size:
         # One machine: connect once rank 0's store listens, not into torch's back-off (peers.py).
-        peers.wait_for_listener(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        most = timeout.total_seconds() if timeout is not None else 60.0
+        peers.wait_for_listener(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), min(60.0, most))
     dist.init_process_group(**kwargs)
     peers.tell("joined")
     if backend == "gloo" and env.world_size > 1:

@@ -470,6 +470,18 @@ def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path,
     # Views of a shard's mapping are kept after the first forward; converted copies are made anew.
     disk_tensors = 2 * len(on_disk)
     assert per_forward == ([disk_tensors, 0, 0] if stored == "float32" else [disk_tensors] * 3), per_forward
+    # A pickled model (a spawn or forkserver launch's payload, deepcopy) carries no copy of them:
+    # the copy maps the shards itself, and its pages are released as the original's are.
+    from notebook_accel.utils.offload import root_loader
+
+    loader = root_loader(next(m._hf_hook for m in dispatched.modules() if getattr(m, "_hf_hook", None) is not None and m._hf_hook.offload).weights_map)
+    assert len(pickle.dumps(loader)) < width * width, len(pickle.dumps(loader))
+    copied = copy.deepcopy(dispatched)
+    with torch.no_grad():
+        assert torch.equal(copied(x), reference)
+    copied_loader = root_loader(next(m._hf_hook for m in copied.modules() if getattr(m, "_hf_hook", None) is not None and m._hf_hook.offload).weights_map)
+    if stored == "float32":
+        assert copied_loader._views and all(copied_loader._in_shard_map(t) for t in copied_loader._views.values())
 
 
 @pytest.mark.timeout(60)

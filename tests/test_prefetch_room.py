@@ -134,3 +134,41 @@ def test_no_room_is_made_with_a_core_already_free_or_when_turned_off(every_core,
     monkeypatch.setattr(prefetch, "MAKE_ROOM", False)
     prefetch.make_room(True)
     assert torch.get_num_threads() == every_core and not prefetch.room_made()
+
+
+@needs_two_cores
+@pytest.mark.timeout(60)
+def test_room_made_in_a_forward_is_given_back_when_the_forward_ends(offloaded, every_core):  # noqa: F811
+    # As when the learned order runs past where this forward stopped: reads still in flight at
+    # its last lookup. The outermost hooked forward gives the thread back however it ends.
+    model, x, reference, _ = offloaded
+    made = []
+
+    def room_after_the_last_lookup(module, args, output):
+        prefetch.make_room(True)
+        made.append(torch.get_num_threads())
+
+    model.blocks[-1].down.register_forward_hook(room_after_the_last_lookup)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference)
+    assert made == [every_core - 1], made
+    assert torch.get_num_threads() == every_core and not prefetch.room_made()
+
+    def fail_after(module, args, output):  # a forward hook runs after the offload hook's post_forward
+        raise RuntimeError("a forward hook failed")
+
+    model.blocks[2].down.register_forward_hook(fail_after)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="forward hook failed"):
+        model(x)
+    assert torch.get_num_threads() == every_core and not prefetch.room_made()
+
+
+@needs_two_cores
+def test_align_module_device_gives_room_back(offloaded, every_core):  # noqa: F811
+    from notebook_accel.utils import align_module_device
+
+    model, *_ = offloaded
+    with pytest.raises(RuntimeError, match="inside"), align_module_device(model.blocks[0].up):
+        prefetch.make_room(True)
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == every_core and not prefetch.room_made()

@@ -57,7 +57,28 @@ def test_a_launch_runs_on_the_spares_and_the_server_forks_as_many_again(fresh_se
     assert [r["pid"] for r in ranks][:2] == refilled
     assert ranks[2]["pid"] not in refilled and ranks[2]["ppid"] == server.proc.pid
     assert len(spares_of(server, 3)) == 3
+    # 5, then 2: three of the five left, and the server lets the one too many go
+    launch(5)
+    five = spares_of(server, 5)
+    assert len(five) == 5
+    launch(2)
+    two = spares_of(server, 2)
+    assert len(two) == 2 and set(two) <= set(five), (two, five)
     no_orphans()
+
+
+def test_a_fork_that_fails_stops_spares_and_leaks_nothing(monkeypatch):
+    def no_fork():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    kept = spares.Spares(8)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "fork", no_fork)
+    kept.fill(lambda sock, close: None, [])  # raises nothing: the server must not die of a spare
+    assert (kept.most, kept.want, list(kept.idle)) == (0, 0, [])
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    kept.asked(4)
+    assert kept.want == 0  # no more tries
 
 
 @pytest.mark.timeout(120)

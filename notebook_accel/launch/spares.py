@@ -61,12 +61,29 @@ class Spares:
         self.want = max(1, min(count, self.most)) if self.most else 0
 
     def fill(self, child: Callable[[socket.socket, list], None], server_fds: list) -> None:
-        """Fork spares up to `want`; in each, `child(its socket, the fds to close)` never returns.
-        `server_fds` are the server's own (its client's socket, its wake-up pipe)."""
+        """Fork spares up to `want` (and let go of those above it); in each, `child(its socket, the
+        fds to close)` never returns. `server_fds` are the server's own (its client's socket, its
+        wake-up pipe). A fork that fails (no memory, a pids limit, no fds) stops spares for good:
+        the server forks each rank at its launch, as without them, and never dies of a spare."""
+        while len(self.idle) > self.want:
+            pid, sock = self.idle.pop()
+            sock.close()
+            _kill_and_reap(pid)
+        try:
+            self._fork_up_to_want(child, server_fds)
+        except OSError:
+            self.most = self.want = 0
+
+    def _fork_up_to_want(self, child, server_fds: list) -> None:
         while len(self.idle) < self.want:
             mine, theirs = socket.socketpair()
             close = [*server_fds, *(s.fileno() for s in self.server_ends()), mine.fileno()]
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError:
+                mine.close()
+                theirs.close()
+                raise
             if pid == 0:
                 try:
                     child(theirs, close)
@@ -107,10 +124,10 @@ def wait_for_request(sock: socket.socket, close: list):
     server goes before sending one."""
     from .channel import recv_frame_with_fds
 
+    signal.set_wakeup_fd(-1)  # before its pipe is closed below
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for fd in close:
         os.close(fd)
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setpgid(0, 0)
     own = _name()
     _set_name(SPARE_NAME)

@@ -354,6 +354,7 @@ class OffloadedWeightsLoader(Mapping):
         state["_mapped"] = []
         state["_maps"] = {}
         state["_map_ends"] = {}
+        state["_views"] = {}  # views of this process's shard maps: pickled, they would be copies
         state.pop("_converts", None)
         state.pop("_notebook_accel_prefetcher", None)  # a thread: utils/prefetch.py makes a new one
         return state

@@ -319,6 +319,9 @@ def align_module_device(module: torch.nn.Module, execution_device=None):
             hook.post_forward(module, None)
             for h, device in zip(hooks, previous):
                 h.execution_device = device
+            from .prefetch import give_room_back
+
+            give_room_back()  # its lookups may have made room for reads ahead (prefetch.make_room)
     elif execution_device is not None:
         devices = {name: p.device for name, p in module.named_parameters(recurse=False)}
         try:

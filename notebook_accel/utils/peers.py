@@ -108,20 +108,29 @@ def say_left(rank: int, world_size: int) -> None:
 
 def wait_for_listener(addr: str, port: int, seconds: float = 60.0) -> bool:
     """Wait until something on this machine listens on TCP `port` (rank 0's store), at most
-    `seconds`; True once it does, False if not in time.
+    `seconds`; True once it does, False if not in time or when it cannot be told (`addr` is not
+    an IPv4 address or "localhost": torch's own connect then, as before).
 
     A rank whose store client connects before rank 0's store listens is refused, and torch retries
     only after a back-off: 0.3-0.8 s lost in about one 2-rank launch in five on this machine kind
     (ranks forked together often reach the connect first). The probe binds the port as torch's store
     does (SO_REUSEADDR), which fails only once a socket listens there: it touches nothing of rank
     0's, and a store binding meanwhile is not stopped by it (as with the launcher's reservation)."""
+    import ipaddress
     import socket
 
+    if addr == "localhost":
+        addr = "127.0.0.1"
+    try:
+        if ipaddress.ip_address(addr).version != 4:
+            return False  # an IPv6 store may listen on IPv4 only (IPv6 off): no telling by a bind
+    except ValueError:
+        return False  # a host name: torch's own connect, as before
     deadline = time.monotonic() + seconds
     pause = 0.001  # longer after the first 0.1 s: a rank 0 busy for a minute costs a few thousand probes
     quick_until = time.monotonic() + 0.1
     while True:
-        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as probe:
+        with socket.socket(socket.AF_INET) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((addr, port))

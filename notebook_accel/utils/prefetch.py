@@ -144,7 +144,10 @@ def make_room(needed: bool) -> None:
     """While the forward waits for the disk, compute with one torch thread fewer when torch has a
     thread for every core: OpenMP's threads spin between operations and keep the reading thread
     off the CPU (a cold forward on 2 cores ran 1.4-1.5x its floor; with room, at its floor).
-    Per thread, as OpenMP's thread count is; undone by `make_room(False)` or `give_room_back()`."""
+    Undone by `make_room(False)`, `give_room_back()`, and when the outermost hooked forward of
+    this thread ends (`forward_left`), also by an exception. OpenMP's count is per thread, but
+    torch also keeps a process-wide default: a thread that starts its first parallel op inside
+    such a forward takes up the lowered count."""
     if not (needed and MAKE_ROOM):
         give_room_back()
         return
@@ -169,6 +172,19 @@ def give_room_back() -> None:
 
 def room_made() -> bool:
     return getattr(_room, "threads", None) is not None
+
+
+def forward_entered() -> None:
+    """A hooked module's forward begins on this thread (hooks._hooked_forward)."""
+    _room.depth = getattr(_room, "depth", 0) + 1
+
+
+def forward_left() -> None:
+    """It ended, returned or raised: at the outermost one, a thread given up is given back (a
+    forward whose learned order runs past where it stopped still has reads in flight)."""
+    _room.depth = max(0, getattr(_room, "depth", 1) - 1)
+    if _room.depth == 0:
+        give_room_back()
 
 
 class Prefetcher:

@@ -193,12 +193,6 @@ def _is_meta(device) -> bool:
     return device == "meta" or (isinstance(device, torch.device) and device.type == "meta")
 
 
-def _get_tensor(module: nn.Module, name: str) -> torch.Tensor:
-    for part in name.split("."):
-        module = getattr(module, part)
-    return module
-
-
 class AlignDevicesHook(ModelHook):
     """Run a module on `execution_device`, optionally streaming offloaded weights in from `weights_map`.
 
@@ -239,6 +233,7 @@ class AlignDevicesHook(ModelHook):
         self._prefetcher = _UNSET  # the weights map's read-ahead (utils/prefetch.py), found on first use
         self._sources: list = []  # what the weights map gave this forward (released after it)
         self._metas: list = []  # (name, the meta tensor it had before this forward)
+        self._device = (_UNSET, None)  # (execution_device, its torch.device) for _already_there
 
     def __repr__(self) -> str:
         return (
@@ -280,7 +275,7 @@ class AlignDevicesHook(ModelHook):
                 )
             }
         for name, _ in list(self._offloaded_tensors(module)):
-            tensor = _get_tensor(module, name)
+            tensor = getattr(*_owner(module, name))
             if self.tied_params_map is not None and tensor.data_ptr() in self.tied_params_map:
                 self.tied_params_names.add(name)
             set_module_tensor_to_device(module, name, "meta")
@@ -309,6 +304,7 @@ class AlignDevicesHook(ModelHook):
             names = [name for name, _ in before]
             values = self._read(names)
             self._sources = list(values.values())  # released after the forward, copied or not
+            prefetch.keep(self._sources)  # taken again in this forward (a module run twice, a tie)
             for name in names:
                 value = values[name]
                 if tied is not None and value.data_ptr() in tied and target not in tied[value.data_ptr()]:
@@ -316,12 +312,22 @@ class AlignDevicesHook(ModelHook):
                 set_module_tensor_to_device(
                     module, name, self.execution_device, value=value, tied_params_map=self.tied_params_map
                 )
-        if self.execution_device is None:
+        if self.execution_device is None or (not kwargs and self._already_there(args)):
             return args, kwargs
         return (
             send_to_device(args, self.execution_device),
             send_to_device(kwargs, self.execution_device, skip_keys=self.skip_keys),
         )
+
+    def _already_there(self, args: tuple) -> bool:
+        # Plain tensors already on the execution device (a block's input, from the block before):
+        # what send_to_device would give back unchanged, without its walk (a few us per hook).
+        if self._device[0] != self.execution_device:
+            try:
+                self._device = (self.execution_device, to_torch_device(self.execution_device))
+            except ValueError:
+                return False  # send_to_device says what is wrong with it
+        return all(type(arg) is torch.Tensor and arg.device == self._device[1] for arg in args)
 
     def _read(self, names: list) -> dict:
         weights_map = self.weights_map
@@ -388,9 +394,7 @@ class CpuOffload(ModelHook):
         prev_module_hook: Optional["UserCpuOffloadHook"] = None,
     ):
         self.prev_module_hook = prev_module_hook
-        self.execution_device = (
-            execution_device if execution_device is not None else _default_execution_device()
-        )
+        self.execution_device = _default_execution_device() if execution_device is None else execution_device
 
     def init_hook(self, module):
         return module.to("cpu")

@@ -132,14 +132,44 @@ def test_the_next_hooks_weights_are_looked_up_while_the_one_before_runs(offloade
         assert torch.equal(model(x), reference)  # the first forward learns the order
         first = len(running.lookups)
         assert running.ahead() == []
-        for _ in range(2):
-            assert torch.equal(model(x), reference)  # exact, every time
+        assert torch.equal(model(x), reference)  # exact, every time
     per_forward = 4 * DEPTH  # two Linear layers per block, weight and bias each
-    assert first == per_forward and len(running.lookups) == 3 * per_forward
+    assert first == per_forward and len(running.lookups) == 2 * per_forward
     # Every Linear but the first of each forward was looked up ahead (the first when it runs).
-    assert len(running.ahead()) == 2 * (per_forward - 2), running.lookups[per_forward:]
+    assert len(running.ahead()) == per_forward - 2, running.lookups[per_forward:]
     # In the page cache (just written), they were mapped then and there, not on the thread.
     assert running.touched and all(not t.startswith("notebook_accel-prefetch") for _, t in running.touched)
+
+
+@pytest.mark.timeout(60)
+def test_once_a_whole_pass_was_in_the_page_cache_the_read_ahead_steps_aside(offloaded, monkeypatch):
+    # Warm, reading ahead only moves the forward's page faults earlier and costs bookkeeping.
+    model, x, reference, folder = offloaded
+    with torch.no_grad():
+        for _ in range(2):  # learn the order; then a whole pass found every weight cached
+            assert torch.equal(model(x), reference)
+        running = Running(model, monkeypatch)
+        assert torch.equal(model(x), reference)
+    assert running.ahead() == [] and running.touched == []  # each looked up when its Linear runs
+    assert len(running.lookups) == 4 * DEPTH
+
+
+@pytest.mark.timeout(60)
+def test_a_stepped_aside_read_ahead_wakes_up_when_the_weights_leave_the_page_cache(offloaded, monkeypatch):
+    model, x, reference, folder = offloaded
+    _needs_eviction(folder)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), reference)
+        running = Running(model, monkeypatch)
+        _evict(folder)
+        assert torch.equal(model(x), reference)
+        assert torch.equal(model(x), reference)  # read back in: cached again, a pass to step aside
+    read = [t for _, t in running.touched if t.startswith("notebook_accel-prefetch")]
+    # The first hook's probe (the third Linear's weight) missed: from the second Linear on, read
+    # ahead on the thread again.
+    assert len(read) == 2 * (2 * DEPTH - 1), running.touched
+    assert len(running.ahead()) == 2 * (2 * DEPTH - 1) * 2, running.lookups
 
 
 @pytest.mark.timeout(60)
@@ -161,20 +191,28 @@ def _rss_of_folder(folder) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_memory_is_bounded_to_the_running_hook_and_those_read_ahead(offloaded):
+@pytest.mark.parametrize("batch", [0, 4])
+def test_memory_is_bounded_to_the_running_hook_those_read_ahead_and_a_round_of_drops(offloaded, monkeypatch, batch):
     model, x, reference, folder = offloaded
+    page = os.sysconf("SC_PAGE_SIZE")
+    linear = -(-WIDTH * WIDTH * 4 // page) * page + page  # a weight's pages and a bias's page
+    # Released pages wait for a round of DROP_BATCH bytes (0: each hook's at once).
+    monkeypatch.setattr(prefetch, "DROP_BATCH", batch * linear)
     seen = []
     for block in model.blocks:
         for layer in (block.up, block.down):
             layer.register_forward_pre_hook(lambda m, a: seen.append(_rss_of_folder(folder)))
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(2):
             assert torch.equal(model(x), reference)
-    page = os.sysconf("SC_PAGE_SIZE")
-    linear = -(-WIDTH * WIDTH * 4 // page) * page + page  # a weight's pages and a bias's page
-    # The running Linear and the AHEAD after it; were nothing released, all 12 would stay in RSS.
-    assert 0 < max(seen) <= (1 + prefetch.AHEAD) * linear, seen
-    assert _rss_of_folder(folder) <= prefetch.AHEAD * linear  # after a forward: only those ahead
+        # After a forward: only those read ahead, and nothing of the round (dropped at its end).
+        assert _rss_of_folder(folder) <= prefetch.AHEAD * linear
+        assert torch.equal(model(x), reference)  # the read-ahead has stepped aside (all cached)
+    # The running Linear, the AHEAD after it and a round; were nothing released, all 12 would stay.
+    assert 0 < max(seen) <= (1 + prefetch.AHEAD + batch) * linear, seen
+    if batch:  # pages of finished hooks were held for the round
+        assert max(seen) > (1 + prefetch.AHEAD) * linear, seen
+    assert _rss_of_folder(folder) == 0  # nothing was mapped ahead, and the round was dropped
 
 
 @pytest.mark.timeout(60)
@@ -540,3 +578,75 @@ def test_only_a_cuda_device_is_staged():
     assert not staging.stages(None) and not staging.stages("cpu") and not staging.stages("meta")
     assert staging.stages("cuda:0") == staging.stages(0) == torch.cuda.is_available()
     assert staging.stager_for("cpu") is None
+
+
+@pytest.fixture
+def written_map(tmp_path):
+    """A loader's copy-on-write map of a 6-page file, every page written in place: a page dropped
+    reads the file again (0..), one kept reads -1."""
+    from notebook_accel.utils.offload import offload_weight
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    per_page = page // 4
+    weight = torch.arange(6 * per_page, dtype=torch.float32)
+    loader = OffloadedWeightsLoader(save_folder=str(tmp_path), index=offload_weight(weight, "w", str(tmp_path)))
+    mapped = loader.mapped("w")
+    assert mapped.data_ptr() % page == 0
+    mapped.fill_(-1)
+
+    def dropped() -> list:
+        return [bool(mapped[i * per_page] == weight[i * per_page]) for i in range(6)]
+
+    return mapped, page, dropped
+
+
+@pytest.mark.timeout(60)
+def test_ranges_released_in_a_forward_are_dropped_together_adjoining_ones_in_one_call(written_map, monkeypatch):
+    mapped, page, dropped = written_map
+    calls = []
+    drop = prefetch.drop_pages
+    monkeypatch.setattr(prefetch, "drop_pages", lambda start, end: calls.append((start, end)) or drop(start, end))
+    monkeypatch.setattr(prefetch, "DROP_BATCH", 1 << 30)
+    base = mapped.data_ptr()
+    prefetch.forward_entered()
+    try:
+        for first, last in ((2, 3), (0, 2), (4, 5)):  # pages [2, 3) and [0, 2) adjoin; 3 is a gap
+            prefetch.drop_later(base + first * page, base + last * page, mapped)
+        assert calls == [] and dropped() == [False] * 6  # held while the forward runs
+    finally:
+        prefetch.forward_left()
+    assert calls == [(base, base + 3 * page), (base + 4 * page, base + 5 * page)]
+    assert dropped() == [True, True, True, False, True, False]  # never the gap, nor past the end
+
+
+@pytest.mark.timeout(60)
+def test_a_round_is_dropped_once_drop_batch_bytes_wait_and_at_once_outside_a_forward(written_map, monkeypatch):
+    mapped, page, dropped = written_map
+    monkeypatch.setattr(prefetch, "DROP_BATCH", 2 * page)
+    base = mapped.data_ptr()
+    prefetch.drop_later(base, base + page, mapped)  # no hooked forward running
+    assert dropped()[0]
+    prefetch.forward_entered()
+    try:
+        prefetch.drop_later(base + page, base + 2 * page, mapped)
+        assert dropped()[1:3] == [False, False]
+        prefetch.drop_later(base + 2 * page, base + 3 * page, mapped)  # two pages wait: the round
+        assert dropped()[1:3] == [True, True]
+    finally:
+        prefetch.forward_left()
+
+
+@pytest.mark.timeout(60)
+def test_a_range_taken_again_in_the_same_forward_is_kept(written_map, monkeypatch):
+    # A module run twice in one forward (or a tied weight): what its second run writes to the
+    # weights must last through that run, so the first run's held release is let go.
+    mapped, page, dropped = written_map
+    monkeypatch.setattr(prefetch, "DROP_BATCH", 1 << 30)
+    base = mapped.data_ptr()
+    prefetch.forward_entered()
+    try:
+        prefetch.drop_later(base, base + 6 * page, mapped)
+        prefetch.keep([mapped[mapped.numel() // 2 :]])  # the second run took the upper half
+    finally:
+        prefetch.forward_left()
+    assert dropped() == [False] * 6  # the whole range overlapped what was taken: none dropped

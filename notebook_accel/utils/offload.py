@@ -326,8 +326,9 @@ class OffloadedWeightsLoader(Mapping):
         """Let the kernel take back the pages of `tensors` that are views of a file this loader
         keeps mapped (a hook is done with them): the next use maps them again from the page cache,
         and what was written to them in place is forgotten, as if the file were mapped afresh.
-        Without this, every disk block a forward used stayed in the process's RSS."""
-        from .prefetch import _PAGE, drop_pages
+        Without this, every disk block a forward used stayed in the process's RSS. Inside a hooked
+        forward they go in rounds (`prefetch.drop_later`), all of them by the end of it."""
+        from .prefetch import _PAGE, drop_later
 
         for tensor in tensors:
             if tensor.device.type != "cpu" or tensor.numel() == 0:
@@ -335,9 +336,9 @@ class OffloadedWeightsLoader(Mapping):
             start = tensor.data_ptr()
             end = start + tensor.numel() * tensor.element_size()
             if self._map_ends.get(start) == end:  # a file's own map: its last, partial page too
-                drop_pages(start, end + (-end) % _PAGE)
+                drop_later(start, end + (-end) % _PAGE, tensor)
             elif any(low <= start and end <= high for low, high in self._mapped):  # never anonymous memory
-                drop_pages(start, end)
+                drop_later(start, end, tensor)
 
     def __iter__(self):
         return iter(self.all_keys)

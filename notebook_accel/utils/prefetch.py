@@ -30,7 +30,13 @@ AHEAD = 2  # hooks read ahead of the one running: the bytes added are at most th
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ATTRIBUTE = "_notebook_accel_prefetcher"
 MAKE_ROOM = True  # make_room() on or off (benchmarks/prefetch.py measures both)
-_room = threading.local()  # .threads: the forward thread's torch thread count before it made room
+# Pages released inside a forward are dropped in rounds of at least this many bytes: every
+# MADV_DONTNEED interrupts each core running the process to flush its TLB, and one call per tensor
+# cost about 2 ms of a 37 ms forward of benchmarks/offload.py's dispatched model.
+DROP_BATCH = 32 << 20
+# .threads: the forward thread's torch thread count before it made room; .depth: hooked forwards
+# running on it; .held: (start, end, tensor) released in them and not yet dropped.
+_room = threading.local()
 
 
 def wanted(setting: str, execution_device) -> bool:
@@ -71,6 +77,8 @@ def resident(tensor: torch.Tensor, samples: int = 4) -> bool:
     step = max(_PAGE, (last - first) // samples // _PAGE * _PAGE)
     flag = ctypes.c_ubyte()
     page = first
+    if samples == 1:  # the middle page alone
+        page = last = first + (last - first) // 2 // _PAGE * _PAGE
     while True:
         if _mincore()(page, 1, ctypes.byref(flag)) != 0:
             return True
@@ -104,6 +112,46 @@ def drop_pages(start: int, end: int) -> None:
     last = end - end % _PAGE
     if last > first:
         _madvise(first, last - first, 4)  # MADV_DONTNEED
+
+
+def drop_later(start: int, end: int, tensor: torch.Tensor) -> None:
+    """`drop_pages(start, end)`, at once outside a hooked forward; inside one, together with other
+    ranges once DROP_BATCH bytes wait or the outermost forward ends. `tensor` (a view of the range)
+    is held until then, so its mapping cannot be unmapped and the address reused first."""
+    if not getattr(_room, "depth", 0):
+        drop_pages(start, end)
+        return
+    held = _room.__dict__.setdefault("held", [])
+    held.append((start, end, tensor))
+    if sum(e - s for s, e, _ in held) >= DROP_BATCH:
+        drop_held()
+
+
+def drop_held() -> None:
+    """Drop what `drop_later` holds for this thread, adjoining ranges in one call."""
+    held = getattr(_room, "held", None)
+    if not held:
+        return
+    _room.held = []
+    held.sort(key=lambda entry: entry[0])
+    start, end = held[0][0], held[0][1]
+    for low, high, _ in held[1:]:
+        if low <= end:  # adjoining or overlapping: the pages between are released too
+            end = max(end, high)
+        else:  # a gap may hold other memory: never dropped
+            drop_pages(start, end)
+            start, end = low, high
+    drop_pages(start, end)
+
+
+def keep(tensors) -> None:
+    """A hook takes these again before their held pages were dropped (a tied weight): their ranges
+    are no longer dropped, so what the hook writes to them lasts through its forward."""
+    held = getattr(_room, "held", None)
+    if not held:
+        return
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+    _room.held = [entry for entry in held if not any(entry[0] < e and s < entry[1] for s, e in spans)]
 
 
 def advise_huge(address: int, size: int) -> None:
@@ -181,10 +229,12 @@ def forward_entered() -> None:
 
 def forward_left() -> None:
     """It ended, returned or raised: at the outermost one, a thread given up is given back (a
-    forward whose learned order runs past where it stopped still has reads in flight)."""
+    forward whose learned order runs past where it stopped still has reads in flight) and the
+    pages released in it are dropped."""
     _room.depth = max(0, getattr(_room, "depth", 1) - 1)
     if _room.depth == 0:
         give_room_back()
+        drop_held()
 
 
 class Prefetcher:
@@ -201,6 +251,12 @@ class Prefetcher:
         self._stagers: dict = {}  # execution device -> stager (utils/staging.py)
         self.release = release  # the loader's release_pages: a staged tensor's source is let go
         self.inline = inline  # True when lookups only map (the loader's maps_in_place): done here
+        # Warm, reading ahead only moves the forward's page faults earlier and costs bookkeeping:
+        # once a whole pass of the order found every weight in the page cache, it steps aside
+        # (`_quiet`), checking one weight AHEAD hooks on at each take (`_probes`) to come back.
+        self._cached_run = 0  # lookups ahead in a row that found their weights in the page cache
+        self._quiet = False
+        self._probes: dict = {}  # key -> its largest tensor, as last looked up ahead
 
     def __reduce__(self):  # a copy or an unpickled model learns its own order, on its own thread
         return (Prefetcher, (self.release, self.inline))
@@ -227,51 +283,72 @@ class Prefetcher:
                 self.position[key] = len(self.order)
                 self.order.append(key)
             future = self._pending.pop(key, None)
-            self._staged.discard(key)
-            self._reading.discard(key)
-            waited = future is not None and not future.done()  # the forward caught up with the disk
             here = self.position[key]
-            wanted = [self.order[i] for i in range(here + 1, min(here + 1 + AHEAD, len(self.order)))]
-            # Read-aheads the order no longer reaches (a branch not taken) are let go: bounded memory.
-            for stale in [k for k in self._pending if k not in wanted]:
-                self._pending.pop(stale).cancel()
-                self._staged.discard(stale)
-                self._reading.discard(stale)
-            for distance, nxt in enumerate(wanted, 1):
-                if nxt not in self._loaders:
-                    continue
-                load_next, device_next = self._loaders[nxt]
-                # Copied to the device one hook ahead only: device_map plans room for one
-                # offloaded layer beside the running one, not AHEAD of them.
-                stager = self._stager(device_next) if distance == 1 else None
-                if nxt not in self._pending:
-                    self._pending[nxt] = self._ahead(pool, load_next, stager)
-                elif stager is not None and nxt not in self._staged:
-                    self._pending[nxt] = pool.submit(self._stage, self._pending[nxt], stager)
-                if stager is not None:
-                    self._staged.add(nxt)
-                if not self._pending[nxt].done():
-                    self._reading.add(nxt)
-            reading = any(not self._pending[k].done() for k in self._reading)
-        # Room is made once the forward has waited for a read, and kept while reads are in
-        # flight: a forward whose reads keep ahead of it (compute-bound) never loses a thread.
-        make_room(reading and (waited or room_made()))
+            quiet = self._quiet and self._still_cached(here)
+            if self._quiet and not quiet:
+                self._quiet, self._cached_run = False, 0  # a miss: a whole pass again before quiet
+            if not quiet:
+                reading, waited = self._schedule(pool, key, here, future)
+        if not quiet:
+            # Room is made once the forward has waited for a read, and kept while reads are in
+            # flight: a forward whose reads keep ahead of it (compute-bound) never loses a thread.
+            make_room(reading and (waited or room_made()))
         if future is not None and not future.cancelled():
             found = future.result()  # an error reading ahead is raised here, as a plain read would
             return found.ready() if isinstance(found, staging.Staged) else found
         return load()
+
+    def _still_cached(self, here: int) -> bool:
+        # The weights AHEAD hooks on, sampled: a miss (the page cache was dropped, or evicted
+        # under pressure) wakes the read-ahead up for the hooks between.
+        at = here + AHEAD
+        if at >= len(self.order):
+            return True
+        probe = self._probes.get(self.order[at])
+        return probe is not None and resident(probe, samples=1)
+
+    def _schedule(self, pool: ThreadPoolExecutor, key, here: int, future) -> tuple:
+        """Look up (and read or copy) the hooks after `here` ahead; (reads in flight, whether
+        `key`'s own read was still running)."""
+        self._staged.discard(key)
+        self._reading.discard(key)
+        waited = future is not None and not future.done()  # the forward caught up with the disk
+        wanted = [self.order[i] for i in range(here + 1, min(here + 1 + AHEAD, len(self.order)))]
+        # Read-aheads the order no longer reaches (a branch not taken) are let go: bounded memory.
+        for stale in [k for k in self._pending if k not in wanted]:
+            self._pending.pop(stale).cancel()
+            self._staged.discard(stale)
+            self._reading.discard(stale)
+        for distance, nxt in enumerate(wanted, 1):
+            if nxt not in self._loaders:
+                continue
+            load_next, device_next = self._loaders[nxt]
+            # Copied to the device one hook ahead only: device_map plans room for one
+            # offloaded layer beside the running one, not AHEAD of them.
+            stager = self._stager(device_next) if distance == 1 else None
+            if nxt not in self._pending:
+                self._pending[nxt] = self._ahead(pool, nxt, load_next, stager)
+            elif stager is not None and nxt not in self._staged:
+                self._pending[nxt] = pool.submit(self._stage, self._pending[nxt], stager)
+            if stager is not None:
+                self._staged.add(nxt)
+            if not self._pending[nxt].done():
+                self._reading.add(nxt)
+        reading = any(not self._pending[k].done() for k in self._reading)
+        return reading, waited
 
     def _stager(self, device):
         if device not in self._stagers:
             self._stagers[device] = staging.stager_for(device)
         return self._stagers[device]
 
-    def _ahead(self, pool: ThreadPoolExecutor, load: Callable[[], dict], stager) -> Future:
+    def _ahead(self, pool: ThreadPoolExecutor, key, load: Callable[[], dict], stager) -> Future:
         # Looked up here where a lookup only maps. Pages already in the page cache are mapped here
         # too, at once: cheap in 2 MB folios, and a hand-off to the thread costs more than that
         # when torch keeps every core busy. Reads from the disk and copies to a device go to the
         # thread, and so do lookups that read or copy (a loader with a device).
         if self.inline is not None and not self.inline():
+            self._cached_run = 0
             return pool.submit(lambda: self._read(load(), stager))
         done: Future = Future()
         try:
@@ -281,7 +358,12 @@ class Prefetcher:
             return done
         if stager is None and all(resident(t) for t in tensors.values()):
             done.set_result({name: touch(tensor) for name, tensor in tensors.items()})
+            if tensors:
+                self._probes[key] = max(tensors.values(), key=lambda t: t.numel() * t.element_size())
+            self._cached_run += 1
+            self._quiet = self._cached_run >= max(1, len(self.order) - 1)  # a whole pass
             return done
+        self._cached_run = 0
         return pool.submit(self._read, tensors, stager)
 
     def _read(self, tensors: dict, stager) -> dict:

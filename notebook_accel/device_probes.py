@@ -54,20 +54,27 @@ def _record(index, uuid, name, total, free, capability) -> dict:
     }
 
 
+def _nvml_library(library: Optional[str] = None):
+    """NVML (libnvidia-ml) through ctypes, initialised; None where it cannot be loaded or
+    initialised. `library`: a path to load instead (the tests' stand-in)."""
+    import ctypes
+
+    names = ("nvml.dll",) if sys.platform == "win32" else ("libnvidia-ml.so.1", "libnvidia-ml.so")
+    for name in (library,) if library else names:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        return lib if lib.nvmlInit_v2() == 0 else None
+    return None
+
+
 def _nvml_records(library: Optional[str] = None) -> Optional[list]:
     """Physical GPUs as NVML sees them, or None where NVML cannot be loaded or initialised."""
     import ctypes
 
-    names = ("nvml.dll",) if sys.platform == "win32" else ("libnvidia-ml.so.1", "libnvidia-ml.so")
-    names = (library,) if library else names
-    lib = None
-    for name in names:
-        try:
-            lib = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    if lib is None or lib.nvmlInit_v2() != 0:
+    lib = _nvml_library(library)
+    if lib is None:
         return None
 
     class Memory(ctypes.Structure):
@@ -99,6 +106,82 @@ def _nvml_records(library: Optional[str] = None) -> Optional[list]:
     finally:
         lib.nvmlShutdown()
     return records
+
+
+class NvmlProcesses:
+    """Device memory per process and utilisation per device, from NVML through ctypes (no pynvml,
+    no CUDA initialised). `open()` gives None where NVML or a device is missing. NVML reports the
+    pids of the machine's pid namespace: in a container that has its own, no rank matches."""
+
+    _NOT_AVAILABLE = (1 << 64) - 1  # NVML_VALUE_NOT_AVAILABLE: memory NVML cannot tell (MIG, WDDM)
+    _INSUFFICIENT_SIZE = 7
+
+    @classmethod
+    def open(cls, library: Optional[str] = None) -> Optional["NvmlProcesses"]:
+        import ctypes
+
+        lib = _nvml_library(library)
+        if lib is None:
+            return None
+        count, handles = ctypes.c_uint(), []
+        if lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0:
+            for i in range(count.value):
+                handle = ctypes.c_void_p()
+                if lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) == 0:
+                    handles.append(handle)
+        return cls(lib, handles) if handles else None
+
+    def __init__(self, lib, handles: list):
+        import ctypes
+
+        class Utilization(ctypes.Structure):
+            _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
+
+        class Process(ctypes.Structure):  # nvmlProcessInfo_v2_t, what the _v3 call fills
+            _fields_ = [
+                ("pid", ctypes.c_uint),
+                ("usedGpuMemory", ctypes.c_ulonglong),
+                ("gpuInstanceId", ctypes.c_uint),
+                ("computeInstanceId", ctypes.c_uint),
+            ]
+
+        class ProcessV1(ctypes.Structure):  # nvmlProcessInfo_v1_t, for drivers without _v3
+            _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+
+        self.lib, self.handles, self.Utilization = lib, handles, Utilization
+        try:
+            self.running, self.Process = lib.nvmlDeviceGetComputeRunningProcesses_v3, Process
+        except AttributeError:
+            self.running, self.Process = lib.nvmlDeviceGetComputeRunningProcesses, ProcessV1
+
+    def _processes(self, handle) -> Optional[list]:
+        import ctypes
+
+        size = 16
+        while True:
+            count, infos = ctypes.c_uint(size), (self.Process * size)()
+            status = self.running(handle, ctypes.byref(count), infos)
+            if status == 0:
+                return list(infos[: count.value])
+            if status != self._INSUFFICIENT_SIZE or size >= 4096:
+                return None
+            size = max(2 * size, count.value + 8)  # more started since: room to spare
+
+    def by_pid(self) -> dict:
+        """{pid: (device memory used in bytes, over every device; the highest utilisation % of
+        the devices it uses)}; a device NVML fails to read is left out."""
+        import ctypes
+
+        out: dict = {}
+        for handle in self.handles:
+            util = self.Utilization()
+            if self.lib.nvmlDeviceGetUtilizationRates(handle, ctypes.byref(util)) != 0:
+                continue
+            for proc in self._processes(handle) or []:
+                if proc.usedGpuMemory != self._NOT_AVAILABLE:
+                    used, busy = out.get(proc.pid, (0, 0.0))
+                    out[proc.pid] = (used + proc.usedGpuMemory, max(busy, float(util.gpu)))
+        return out
 
 
 NVIDIA_SMI_FIELDS = ("index", "uuid", "name", "memory.total", "memory.free", "compute_cap")

@@ -15,6 +15,7 @@ CHECKS = [
     "launcher_leaves_cuda_uninitialised",
     "fork_after_cuda_init_is_refused",
     "results_arrive_on_cpu_and_gpu_ids_choose",
+    "rank_device_memory_sampled_through_nvml",
     "fsdp_cpu_offload_and_bf16_hook_on_two_gpus",
     "training_step_fp32",
     "training_step_bf16",

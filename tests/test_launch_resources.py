@@ -192,3 +192,118 @@ def test_the_words_for_a_sigkilled_rank():
     failed = ev.RankFailed(1, 42, -9, signal_name="SIGKILL", oom="likely", memory_note="most likely out of memory: x")
     assert failed.summary() == "rank 1 was killed (SIGKILL), most likely out of memory: x"
     assert ev.RankFailed(1, 42, -9, signal_name="SIGKILL").summary() == "rank 1 died with SIGKILL"
+
+
+
+# A stand-in libnvidia-ml, compiled here: NVML cannot run on this machine, and what must be right is
+# the ctypes side (structure layouts, the size-retry protocol, the calls a driver lacks). Each line of
+# the file $STANDIN_NVML is a device: "utilisation pid used pid used ...", or "x" for one that fails.
+STANDIN_NVML_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+typedef struct { unsigned gpu, memory; } util_t;
+#ifdef NO_V3
+typedef struct { unsigned pid; unsigned long long used; } proc_t;
+#else
+typedef struct { unsigned pid; unsigned long long used; unsigned gi, ci; } proc_t;
+#endif
+static int device_line(long index, char *line, int size) {
+    FILE *f = fopen(getenv("STANDIN_NVML"), "r");
+    long i = 0;
+    int found = 0;
+    if (!f) return 0;
+    while (fgets(line, size, f)) if (i++ == index) { found = 1; break; }
+    fclose(f);
+    return found;
+}
+int nvmlInit_v2(void) { return 0; }
+int nvmlShutdown(void) { return 0; }
+int nvmlDeviceGetCount_v2(unsigned *count) {
+    char line[4096];
+    unsigned n = 0;
+    while (device_line(n, line, sizeof line)) n++;
+    *count = n;
+    return 0;
+}
+int nvmlDeviceGetHandleByIndex_v2(unsigned index, void **handle) { *handle = (void *)(long)(index + 1); return 0; }
+int nvmlDeviceGetUtilizationRates(void *handle, util_t *util) {
+    char line[4096];
+    if (!device_line((long)handle - 1, line, sizeof line) || line[0] == 'x') return 15;  /* GPU_IS_LOST */
+    util->gpu = (unsigned)strtoul(line, NULL, 10);
+    util->memory = 0;
+    return 0;
+}
+static int running(void *handle, unsigned *count, proc_t *infos) {
+    char line[4096], *at, *end;
+    proc_t found[256];
+    unsigned n = 0, i;
+    if (!device_line((long)handle - 1, line, sizeof line)) return 15;
+    strtoul(line, &at, 10);
+    for (;;) {
+        unsigned long pid = strtoul(at, &end, 10);
+        if (end == at) break;
+        at = end;
+        found[n].pid = (unsigned)pid;
+        found[n].used = strtoull(at, &at, 10);
+        n++;
+    }
+    if (*count < n) { *count = n; return 7; }  /* INSUFFICIENT_SIZE */
+    for (i = 0; i < n; i++) infos[i] = found[i];
+    *count = n;
+    return 0;
+}
+#ifndef NO_V3
+int nvmlDeviceGetComputeRunningProcesses_v3(void *h, unsigned *c, proc_t *i) { return running(h, c, i); }
+#endif
+int nvmlDeviceGetComputeRunningProcesses(void *h, unsigned *c, proc_t *i) { return running(h, c, i); }
+"""
+
+
+@pytest.fixture(params=["v3", "no v3 (an older driver)"])
+def standin_nvml(request, tmp_path, monkeypatch):
+    import subprocess
+
+    source, library = tmp_path / "nvml.c", tmp_path / "libnvidia-ml.so.1"
+    source.write_text(STANDIN_NVML_C)
+    flags = ["-DNO_V3"] if request.param != "v3" else []
+    subprocess.run(["gcc", "-shared", "-fPIC", *flags, "-o", str(library), str(source)], check=True, timeout=60)
+    devices = tmp_path / "devices"
+    monkeypatch.setenv("STANDIN_NVML", str(devices))
+    return str(library), devices
+
+
+@pytest.mark.timeout(60)
+def test_device_memory_is_read_from_nvml_summed_over_a_ranks_devices_and_its_peak_kept(standin_nvml):
+    import subprocess
+
+    from notebook_accel.device_probes import NvmlProcesses
+    from notebook_accel.launch.resources import ResourceSampler
+
+    library, devices = standin_nvml
+    sleepers = [subprocess.Popen(["sleep", "30"]) for _ in range(3)]
+    try:
+        a, b, c = (p.pid for p in sleepers)
+        crowd = " ".join(f"{100000 + i} {MiB}" for i in range(40))  # more than the first buffer holds
+        unknown = (1 << 64) - 1  # NVML_VALUE_NOT_AVAILABLE
+        devices.write_text(f"40 {a} {3 * MiB} {b} {unknown}\n90 {crowd} {a} {5 * MiB}\nx\n")
+        sampler = ResourceSampler({0: a, 1: b, 2: c}, interval=0)
+        sampler.nvml = NvmlProcesses.open(library)
+        assert sampler.nvml is not None and len(sampler.nvml.handles) == 3
+        rows = {r.rank: r for r in sampler.sample(time.monotonic(), [0, 1, 2])}
+        assert (rows[0].device_memory, rows[0].device_util) == (8 * MiB, 90)  # both devices
+        assert (rows[1].device_memory, rows[1].device_util) == (None, None)  # NVML could not tell
+        assert (rows[2].device_memory, rows[2].device_util) == (None, None)  # on no device
+        devices.write_text(f"10 {a} {MiB}\n")
+        rows = {r.rank: r for r in sampler.sample(time.monotonic(), [0, 1, 2])}
+        assert (rows[0].device_memory, rows[0].device_util) == (MiB, 10)
+        assert sampler.peaks(0)[1] == 8 * MiB and sampler.peaks(1)[1] is None  # the peak is kept
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
+
+
+def test_without_nvml_there_is_no_reader(tmp_path):
+    from notebook_accel.device_probes import NvmlProcesses
+
+    assert NvmlProcesses.open(str(tmp_path / "no-such-libnvidia-ml.so")) is None

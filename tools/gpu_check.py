@@ -106,6 +106,16 @@ def visible_devices():
             "name": torch.cuda.get_device_name(0)}
 
 
+def hold_device_memory(mib, seconds):
+    # Holds `mib` MiB on cuda:0 long enough for the launcher's once-a-second sampling to see it.
+    import time
+    block = torch.empty(mib << 20, dtype=torch.uint8, device="cuda:0")
+    block.fill_(1)
+    torch.cuda.synchronize()
+    time.sleep(seconds)
+    return {"rank": PartialState().process_index, "pid": os.getpid(), "held": int(block.numel())}
+
+
 def rank_report():
     state = PartialState()
     total = torch.tensor([float(state.process_index + 1)], device=state.device)
@@ -205,6 +215,25 @@ chosen = notebook_launcher(ranks.visible_devices, num_processes=1, gpu_ids="0", 
 out["gpu_ids"] = chosen[0]
 out["initialized"] = torch.cuda.is_initialized()
 print("RESULT " + json.dumps(out))
+"""
+
+
+RESOURCES_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from notebook_accel import notebook_launcher
+from notebook_accel.launch import ListSink
+from notebook_accel.launch import events as ev
+import _gpu_check_ranks as ranks
+
+sink = ListSink()
+results = notebook_launcher(ranks.hold_device_memory, (512, 3.5), num_processes=2, use_port="auto", cpu=True,
+                            timeout=float(sys.argv[2]), sinks=[sink])
+rows = [[e.rank, e.device_memory, e.device_util] for e in sink.events if isinstance(e, ev.RankResources)]
+peaks = {e.rank: e.peak_device_memory for e in sink.events if isinstance(e, ev.RankFinished)}
+print("RESULT " + json.dumps({"results": results, "rows": rows, "peaks": peaks,
+                              "initialized": torch.cuda.is_initialized()}))
 """
 
 
@@ -351,6 +380,26 @@ def check_results_and_gpu_ids(tmp: str) -> dict:
         problems.append(f"gpu_ids='0': the rank saw CUDA_VISIBLE_DEVICES={chosen['visible']!r}, {chosen['count']} device(s)")
     return verdict(problems, "cuda:0 tensors, nested and in a module, arrived on the CPU without initialising CUDA "
                    "here; gpu_ids='0' gave the rank exactly that device", gpu_ids=chosen)  # fmt: skip
+
+
+def check_rank_device_memory(tmp: str) -> dict:
+    """Part 3 of issue #19: the launcher samples each rank's device memory through NVML (ctypes)
+    and reports its peak when the rank ends; the launching process never initialises CUDA."""
+    res = _child(RESOURCES_CHILD, tmp, str(LAUNCH_TIMEOUT_S))
+    problems = ["the launching process initialised CUDA"] if res["initialized"] else []
+    held = 512 << 20
+    for rank in (0, 1):
+        seen = [used for r, used, _ in res["rows"] if r == rank and used is not None]
+        if not seen:
+            problems.append(f"rank {rank}: no RankResources row with device memory (NVML pids from "
+                            "another pid namespace would do this)")  # fmt: skip
+        elif max(seen) < held:
+            problems.append(f"rank {rank}: device memory peaked at {max(seen)} bytes, under the {held} it held")
+        peak = res["peaks"].get(str(rank))
+        if peak is None or peak < held:
+            problems.append(f"rank {rank}: RankFinished.peak_device_memory {peak}, expected >= {held}")
+    return verdict(problems, "each rank's device memory sampled through NVML and its peak reported; CUDA "
+                   "uninitialised in the launcher", rows=res["rows"][-6:], peaks=res["peaks"])  # fmt: skip
 
 
 def check_two_gpus(tmp: str) -> dict:
@@ -708,6 +757,7 @@ def main(argv=None) -> int:
             ("launcher_leaves_cuda_uninitialised", needs_cuda(check_launcher, tmp)),
             ("fork_after_cuda_init_is_refused", needs_cuda(check_fork_refused, tmp)),
             ("results_arrive_on_cpu_and_gpu_ids_choose", needs_cuda(check_results_and_gpu_ids, tmp)),
+            ("rank_device_memory_sampled_through_nvml", needs_cuda(check_rank_device_memory, tmp)),
             ("fsdp_cpu_offload_and_bf16_hook_on_two_gpus", needs_cuda(check_two_gpus, tmp)),
             # Everything below initialises CUDA in this process, so it comes after the fresh children.
             ("training_step_fp32", needs_cuda(check_training, "no", timings)),

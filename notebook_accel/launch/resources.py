@@ -1,6 +1,7 @@
 """Each local rank's resources, sampled from the parent by pid (never by code in the rank): RSS and
-CPU % through psutil, device memory and utilisation through NVML where it is present (NVML never
-initialises CUDA), each rank's sampled peaks, and its memory cgroup for an OOM diagnosis.
+CPU % through psutil, device memory and utilisation through NVML where it is present
+(device_probes.NvmlProcesses: ctypes, no pynvml, CUDA never initialised), each rank's sampled
+peaks, and its memory cgroup for an OOM diagnosis.
 
 One psutil.Process is kept per rank: cpu_percent() measures since that object's previous call.
 """
@@ -12,6 +13,7 @@ from typing import Optional
 
 import psutil
 
+from ..device_probes import NvmlProcesses
 from . import events as ev
 from . import oom
 
@@ -101,41 +103,18 @@ class ResourceSampler:
 
 
 class _Nvml:
-    """NVML's view of processes on devices: {pid: (device memory used, device utilisation %)}.
-    Only where pynvml (nvidia-ml-py) imports and a device exists; anything else turns it off."""
+    """The one NVML reader of this process (device_probes.NvmlProcesses), opened on first use;
+    None where NVML or a device is missing."""
 
     _instance = None
     _tried = False
 
     @classmethod
-    def get(cls) -> Optional["_Nvml"]:
+    def get(cls):
         if not cls._tried:
             cls._tried = True
             try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                count = pynvml.nvmlDeviceGetCount()
-                if count:
-                    cls._instance = cls(pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)])
-            except Exception:  # no library, no driver, no device
+                cls._instance = NvmlProcesses.open()
+            except Exception:  # a driver that answers oddly: no device columns rather than no launch
                 cls._instance = None
         return cls._instance
-
-    def __init__(self, nvml, handles: list):
-        self.nvml, self.handles = nvml, handles
-
-    def by_pid(self) -> dict:
-        out = {}
-        for handle in self.handles:
-            try:
-                util = float(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-                procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except Exception:
-                continue
-            for p in procs:
-                used = p.usedGpuMemory if isinstance(p.usedGpuMemory, int) else None
-                if used is not None:
-                    prev = out.get(p.pid, (0, util))
-                    out[p.pid] = (prev[0] + used, max(prev[1], util))
-        return out

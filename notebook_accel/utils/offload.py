@@ -319,8 +319,10 @@ class OffloadedWeightsLoader(Mapping):
         return tensor
 
     def _in_shard_map(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s bytes lie in a safetensors file this loader maps (never anonymous memory)."""
         start = tensor.data_ptr()
-        return tensor.device.type == "cpu" and any(low <= start < high for low, high in self._mapped)
+        end = start + tensor.numel() * tensor.element_size()
+        return tensor.device.type == "cpu" and any(low <= start and end <= high for low, high in self._mapped)
 
     def release_pages(self, tensors) -> None:
         """Let the kernel take back the pages of `tensors` that are views of a file this loader
@@ -337,7 +339,7 @@ class OffloadedWeightsLoader(Mapping):
             end = start + tensor.numel() * tensor.element_size()
             if self._map_ends.get(start) == end:  # a file's own map: its last, partial page too
                 drop_later(start, end + (-end) % _PAGE, tensor)
-            elif any(low <= start and end <= high for low, high in self._mapped):  # never anonymous memory
+            elif self._in_shard_map(tensor):
                 drop_later(start, end, tensor)
 
     def __iter__(self):

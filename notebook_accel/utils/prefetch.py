@@ -199,7 +199,7 @@ def make_room(needed: bool) -> None:
     if not (needed and MAKE_ROOM):
         give_room_back()
         return
-    if getattr(_room, "threads", None) is not None:
+    if room_made():
         return
     threads = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -137,32 +137,26 @@ class NvmlProcesses:
         class Utilization(ctypes.Structure):
             _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
 
-        class Process(ctypes.Structure):  # nvmlProcessInfo_v2_t, what the _v3 call fills
-            _fields_ = [
-                ("pid", ctypes.c_uint),
-                ("usedGpuMemory", ctypes.c_ulonglong),
-                ("gpuInstanceId", ctypes.c_uint),
-                ("computeInstanceId", ctypes.c_uint),
-            ]
-
-        class ProcessV1(ctypes.Structure):  # nvmlProcessInfo_v1_t, for drivers without _v3
+        # The unversioned call keeps the first layout (nvmlProcessInfo_v1_t) on every driver; the
+        # _v3 one wrote 24- or 32-byte entries depending on the driver release (535.43-535.86).
+        class Process(ctypes.Structure):
             _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
 
-        self.lib, self.handles, self.Utilization = lib, handles, Utilization
-        try:
-            self.running, self.Process = lib.nvmlDeviceGetComputeRunningProcesses_v3, Process
-        except AttributeError:
-            self.running, self.Process = lib.nvmlDeviceGetComputeRunningProcesses, ProcessV1
+        self.lib, self.handles, self.Utilization, self.Process = lib, handles, Utilization, Process
 
     def _processes(self, handle) -> Optional[list]:
         import ctypes
 
         size = 16
         while True:
-            count, infos = ctypes.c_uint(size), (self.Process * size)()
-            status = self.running(handle, ctypes.byref(count), infos)
+            # 40 bytes an entry, more than any layout NVML has had: a driver that wrote a larger
+            # one would give wrong figures, not overwrite memory.
+            buffer = ctypes.create_string_buffer(40 * size)
+            count = ctypes.c_uint(size)
+            status = self.lib.nvmlDeviceGetComputeRunningProcesses(handle, ctypes.byref(count), buffer)
             if status == 0:
-                return list(infos[: count.value])
+                entries = ctypes.cast(buffer, ctypes.POINTER(self.Process))
+                return [entries[i] for i in range(min(count.value, size))]
             if status != self._INSUFFICIENT_SIZE or size >= 4096:
                 return None
             size = max(2 * size, count.value + 8)  # more started since: room to spare

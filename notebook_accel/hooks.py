@@ -304,7 +304,7 @@ class AlignDevicesHook(ModelHook):
             names = [name for name, _ in before]
             values = self._read(names)
             self._sources = list(values.values())  # released after the forward, copied or not
-            prefetch.keep(self._sources)  # taken again in this forward (a module run twice, a tie)
+            prefetch.taking(self._sources)  # released earlier in this forward (run twice, a tie)
             for name in names:
                 value = values[name]
                 if tied is not None and value.data_ptr() in tied and target not in tied[value.data_ptr()]:

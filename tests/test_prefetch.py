@@ -637,16 +637,152 @@ def test_a_round_is_dropped_once_drop_batch_bytes_wait_and_at_once_outside_a_for
 
 
 @pytest.mark.timeout(60)
-def test_a_range_taken_again_in_the_same_forward_is_kept(written_map, monkeypatch):
-    # A module run twice in one forward (or a tied weight): what its second run writes to the
-    # weights must last through that run, so the first run's held release is let go.
+def test_a_range_taken_again_in_the_same_forward_is_dropped_first(written_map, monkeypatch):
+    # A module run twice in one forward (or a tied weight): its second run must see the file's
+    # values, as a fresh map would, not what its first run wrote; so the held release of what it
+    # takes again is dropped before it runs, and the rest waits for the round.
     mapped, page, dropped = written_map
     monkeypatch.setattr(prefetch, "DROP_BATCH", 1 << 30)
     base = mapped.data_ptr()
     prefetch.forward_entered()
     try:
-        prefetch.drop_later(base, base + 6 * page, mapped)
-        prefetch.keep([mapped[mapped.numel() // 2 :]])  # the second run took the upper half
+        prefetch.drop_later(base, base + 3 * page, mapped)
+        prefetch.drop_later(base + 4 * page, base + 6 * page, mapped)
+        prefetch.taking([mapped[mapped.numel() // 2 :]])  # the second run takes the upper half
+        assert dropped() == [False, False, False, False, True, True]
     finally:
         prefetch.forward_left()
-    assert dropped() == [False] * 6  # the whole range overlapped what was taken: none dropped
+    assert dropped() == [True, True, True, False, True, True]  # the other range, in the round
+
+
+def _prefetcher_of(model):
+    from notebook_accel.utils.offload import root_loader
+
+    hook = next(m._hf_hook for m in model.modules() if getattr(getattr(m, "_hf_hook", None), "offload", False))
+    return prefetch.for_map(root_loader(hook.weights_map))
+
+
+@pytest.mark.timeout(60)
+def test_weights_copied_to_a_device_ahead_never_step_aside(offloaded, monkeypatch):
+    # Stepping aside is for maps the page cache serves; a stager's copies are the point. One hook
+    # looked up without a device (as a hook holding a tied weight is) must not change that.
+    from notebook_accel.utils import staging
+
+    model, x, reference, _ = offloaded
+    staged = []
+
+    class Counting(staging.PlainStager):
+        def stage(self, tensors, release=None):
+            staged.append(len(tensors))
+            return super().stage(tensors, release)
+
+    monkeypatch.setattr(staging, "stages", lambda device: str(device) == "cpu")
+    monkeypatch.setattr(staging, "stager_for", lambda device: Counting(device) if str(device) == "cpu" else None)
+    model.blocks[0].down._hf_hook.tied_params_names.add("weight")  # order[1]: no stager
+    per_forward = []
+    with torch.no_grad():
+        for _ in range(6):
+            staged.clear()
+            assert torch.equal(model(x), reference)
+            per_forward.append(len(staged))
+    assert per_forward[0] == 0 and all(n == 2 * DEPTH - 2 for n in per_forward[1:]), per_forward
+    assert not _prefetcher_of(model)._quiet
+
+
+class _Rotary(nn.Module):
+    """Holds only a non-persistent buffer: hooked, with no weights to look up."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((WIDTH,), 0.5), persistent=False)
+
+    def forward(self, x):
+        return x * self.scale
+
+
+@pytest.mark.timeout(60)
+def test_a_hook_without_weights_does_not_keep_waking_the_read_ahead(tmp_path, monkeypatch):
+    from notebook_accel import hooks
+
+    monkeypatch.setattr(hooks, "PREFETCH", "1")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(WIDTH, WIDTH), _Rotary())]).eval()
+    x = torch.randn(3, WIDTH)
+    with torch.no_grad():
+        reference = model(x)
+    disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    assert all(getattr(m, "_hf_hook", None) is not None for m in model if isinstance(m, _Rotary))
+    with torch.no_grad():
+        quiet = []
+        for _ in range(6):
+            assert torch.equal(model(x), reference)
+            quiet.append(_prefetcher_of(model)._quiet)
+    assert quiet == [False, True, True, True, True, True], quiet
+
+
+@pytest.mark.timeout(60)
+def test_a_two_hook_model_wakes_its_read_ahead_when_evicted(tmp_path, monkeypatch):
+    # With fewer than AHEAD + 1 hooks the weights "AHEAD on" are the next forward's first ones.
+    from notebook_accel import hooks
+
+    monkeypatch.setattr(hooks, "PREFETCH", "1")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)).eval()
+    x = torch.randn(3, WIDTH)
+    with torch.no_grad():
+        reference = model(x)
+    folder = tmp_path / "offload"
+    disk_offload(model, str(folder), execution_device="cpu")
+    _needs_eviction(folder)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), reference)
+        assert _prefetcher_of(model)._quiet
+        running = Running(model, monkeypatch)
+        _evict(folder)
+        assert torch.equal(model(x), reference)
+    on_thread = [t for _, t in running.touched if t.startswith("notebook_accel-prefetch")]
+    assert len(on_thread) == 2, running.touched  # the second Linear's weight and bias, read ahead
+
+
+class _Doubling(nn.Linear):
+    """Writes to its own weight in place, as some forwards do (a running normalisation)."""
+
+    def forward(self, x):
+        self.weight.data.mul_(2)
+        return super().forward(x)
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(WIDTH, WIDTH)
+        self.shared = _Doubling(WIDTH * 32, WIDTH * 32)  # 16 MB: whole pages to drop
+        self.down = nn.Linear(WIDTH * 32, WIDTH)
+        self.up = nn.Linear(WIDTH, WIDTH * 32)
+
+    def forward(self, x):
+        h = self.shared(self.up(self.first(x)))
+        return self.down(self.shared(h))  # the same module twice in one forward
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("batch", [0, 1 << 30])
+def test_a_module_run_twice_in_a_forward_sees_the_files_weights_each_time(tmp_path, monkeypatch, batch):
+    # Offloaded weights come fresh from the file at each run (accelerate reads them anew): what the
+    # first run wrote to them must not reach the second, however released pages are batched.
+    from notebook_accel import hooks
+
+    monkeypatch.setattr(hooks, "PREFETCH", "1")
+    monkeypatch.setattr(prefetch, "DROP_BATCH", batch)
+    torch.manual_seed(0)
+    model = _Twice().eval()
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        weight = model.shared.weight.clone()
+        h = model.up(model.first(x))
+        expected = model.down(torch.nn.functional.linear(torch.nn.functional.linear(h, 2 * weight, model.shared.bias), 2 * weight, model.shared.bias))  # fmt: skip
+    disk_offload(model, str(tmp_path / "offload"), execution_device="cpu")
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.allclose(model(x), expected, rtol=1e-4, atol=1e-4)

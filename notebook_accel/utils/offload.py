@@ -329,7 +329,8 @@ class OffloadedWeightsLoader(Mapping):
         keeps mapped (a hook is done with them): the next use maps them again from the page cache,
         and what was written to them in place is forgotten, as if the file were mapped afresh.
         Without this, every disk block a forward used stayed in the process's RSS. Inside a hooked
-        forward they go in rounds (`prefetch.drop_later`), all of them by the end of it."""
+        forward they go in rounds (`prefetch.drop_later`), all by the end of it, and before a hook
+        of the same forward takes them again (`prefetch.taking`)."""
         from .prefetch import _PAGE, drop_later
 
         for tensor in tensors:

@@ -5,10 +5,13 @@ advised MADV_HUGEPAGE so the kernel reads and maps them 2 MB at a time). A `Pref
 weights map, learns the order in which the map's hooks run on the first forward; when hook k runs,
 it looks up the weights of the next `AHEAD` hooks. Those already in the page cache are mapped at
 once (MADV_POPULATE_READ: one call, no faults later); those that are not are read on its thread
-while the forward computes, so the disk and the CPU work at the same time. Memory is bounded: at
-most `AHEAD` hooks' weights are held ahead, and the hook gives each one's pages back after its
-forward (`OffloadedWeightsLoader.release_pages`). Results are the tensors a plain lookup gives:
-outputs do not change.
+while the forward computes, so the disk and the CPU work at the same time. Once as many lookups
+ahead as a pass makes found everything cached, it steps aside (there it would only move the
+forward's own page faults earlier) and samples one page of the weights `AHEAD` hooks on at each
+hook to know when to read ahead again. Memory is bounded: at most `AHEAD` hooks' weights are held
+ahead, and the hooks give their pages back after their forward
+(`OffloadedWeightsLoader.release_pages`), in rounds of `DROP_BATCH` bytes and all by the end of the
+outermost forward. Results are the tensors a plain lookup gives: outputs do not change.
 
 It is on by default (`NOTEBOOK_ACCEL_PREFETCH=0` turns it off); benchmarks/prefetch.py has the
 figures.
@@ -37,6 +40,11 @@ DROP_BATCH = 32 << 20
 # .threads: the forward thread's torch thread count before it made room; .depth: hooked forwards
 # running on it; .held: (start, end, tensor) released in them and not yet dropped.
 _room = threading.local()
+_NOTHING = object()  # the probe of a hook with no weights: always "cached"
+
+
+def _size(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def wanted(setting: str, execution_device) -> bool:
@@ -121,9 +129,9 @@ def drop_later(start: int, end: int, tensor: torch.Tensor) -> None:
     if not getattr(_room, "depth", 0):
         drop_pages(start, end)
         return
-    held = _room.__dict__.setdefault("held", [])
-    held.append((start, end, tensor))
-    if sum(e - s for s, e, _ in held) >= DROP_BATCH:
+    _room.__dict__.setdefault("held", []).append((start, end, tensor))
+    _room.held_bytes = getattr(_room, "held_bytes", 0) + end - start
+    if _room.held_bytes >= DROP_BATCH:
         drop_held()
 
 
@@ -132,7 +140,7 @@ def drop_held() -> None:
     held = getattr(_room, "held", None)
     if not held:
         return
-    _room.held = []
+    _room.held, _room.held_bytes = [], 0
     held.sort(key=lambda entry: entry[0])
     start, end = held[0][0], held[0][1]
     for low, high, _ in held[1:]:
@@ -144,14 +152,21 @@ def drop_held() -> None:
     drop_pages(start, end)
 
 
-def keep(tensors) -> None:
-    """A hook takes these again before their held pages were dropped (a tied weight): their ranges
-    are no longer dropped, so what the hook writes to them lasts through its forward."""
+def taking(tensors) -> None:
+    """A hook is about to use `tensors`: held ranges they overlap (released earlier in this forward:
+    a module run twice, a tied weight) are dropped now, so it sees the file's values as a fresh map
+    would, whatever a run before it wrote to them."""
     held = getattr(_room, "held", None)
     if not held:
         return
     spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
-    _room.held = [entry for entry in held if not any(entry[0] < e and s < entry[1] for s, e in spans)]
+    hit = [any(low < end and start < high for start, end in spans) for low, high, _ in held]
+    if any(hit):
+        _room.held = [entry for entry, overlaps in zip(held, hit) if not overlaps]
+        _room.held_bytes = sum(high - low for low, high, _ in _room.held)
+        for (low, high, _), overlaps in zip(held, hit):
+            if overlaps:
+                drop_pages(low, high)
 
 
 def advise_huge(address: int, size: int) -> None:
@@ -252,11 +267,12 @@ class Prefetcher:
         self.release = release  # the loader's release_pages: a staged tensor's source is let go
         self.inline = inline  # True when lookups only map (the loader's maps_in_place): done here
         # Warm, reading ahead only moves the forward's page faults earlier and costs bookkeeping:
-        # once a whole pass of the order found every weight in the page cache, it steps aside
-        # (`_quiet`), checking one weight AHEAD hooks on at each take (`_probes`) to come back.
-        self._cached_run = 0  # lookups ahead in a row that found their weights in the page cache
+        # once as many lookups ahead as a pass makes (len(order) - 1) in a row found every weight
+        # in the page cache, it steps aside (`_quiet`), checking one weight AHEAD hooks on at each
+        # take (`_probes`) to come back. Never where weights are copied to a device ahead (a stager).
+        self._cached_run = 0
         self._quiet = False
-        self._probes: dict = {}  # key -> its largest tensor, as last looked up ahead
+        self._probes: dict = {}  # key -> its largest tensor (a view of a map), or _NOTHING
 
     def __reduce__(self):  # a copy or an unpickled model learns its own order, on its own thread
         return (Prefetcher, (self.release, self.inline))
@@ -283,58 +299,70 @@ class Prefetcher:
                 self.position[key] = len(self.order)
                 self.order.append(key)
             future = self._pending.pop(key, None)
+            self._staged.discard(key)
+            self._reading.discard(key)
             here = self.position[key]
             quiet = self._quiet and self._still_cached(here)
             if self._quiet and not quiet:
                 self._quiet, self._cached_run = False, 0  # a miss: a whole pass again before quiet
-            if not quiet:
-                reading, waited = self._schedule(pool, key, here, future)
+            if quiet:
+                if self._pending:  # read ahead before it stepped aside, for a branch not taken
+                    self._let_go(self._wanted(here))
+            else:
+                reading, waited = self._schedule(pool, here, future)
         if not quiet:
             # Room is made once the forward has waited for a read, and kept while reads are in
             # flight: a forward whose reads keep ahead of it (compute-bound) never loses a thread.
             make_room(reading and (waited or room_made()))
         if future is not None and not future.cancelled():
             found = future.result()  # an error reading ahead is raised here, as a plain read would
-            return found.ready() if isinstance(found, staging.Staged) else found
-        return load()
+            found = found.ready() if isinstance(found, staging.Staged) else found
+        else:
+            found = load()
+        if key not in self._probes and self.inline is not None and self.inline():
+            # Views of the loader's maps (never copies, which the probe would keep alive).
+            self._probes[key] = max(found.values(), key=_size) if found else _NOTHING
+        return found
 
     def _still_cached(self, here: int) -> bool:
-        # The weights AHEAD hooks on, sampled: a miss (the page cache was dropped, or evicted
-        # under pressure) wakes the read-ahead up for the hooks between.
-        at = here + AHEAD
-        if at >= len(self.order):
-            return True
-        probe = self._probes.get(self.order[at])
-        return probe is not None and resident(probe, samples=1)
+        # The weights AHEAD hooks on (past the end: those the next forward starts with), sampled:
+        # a miss (the page cache was dropped, or evicted under pressure) wakes the read-ahead up.
+        probe = self._probes.get(self.order[(here + AHEAD) % len(self.order)])
+        return probe is _NOTHING or (probe is not None and resident(probe, samples=1))
 
-    def _schedule(self, pool: ThreadPoolExecutor, key, here: int, future) -> tuple:
-        """Look up (and read or copy) the hooks after `here` ahead; (reads in flight, whether
-        `key`'s own read was still running)."""
-        self._staged.discard(key)
-        self._reading.discard(key)
-        waited = future is not None and not future.done()  # the forward caught up with the disk
-        wanted = [self.order[i] for i in range(here + 1, min(here + 1 + AHEAD, len(self.order)))]
+    def _wanted(self, here: int) -> list:
+        return [self.order[i] for i in range(here + 1, min(here + 1 + AHEAD, len(self.order)))]
+
+    def _let_go(self, wanted: list) -> None:
         # Read-aheads the order no longer reaches (a branch not taken) are let go: bounded memory.
         for stale in [k for k in self._pending if k not in wanted]:
             self._pending.pop(stale).cancel()
             self._staged.discard(stale)
             self._reading.discard(stale)
+
+    def _schedule(self, pool: ThreadPoolExecutor, here: int, future) -> tuple:
+        """Look up (and read or copy) the hooks after `here` ahead; (reads in flight, whether the
+        running hook's own read was still running)."""
+        waited = future is not None and not future.done()  # the forward caught up with the disk
+        wanted = self._wanted(here)
+        self._let_go(wanted)
         for distance, nxt in enumerate(wanted, 1):
             if nxt not in self._loaders:
                 continue
             load_next, device_next = self._loaders[nxt]
+            staged_device = self._stager(device_next) is not None
             # Copied to the device one hook ahead only: device_map plans room for one
             # offloaded layer beside the running one, not AHEAD of them.
             stager = self._stager(device_next) if distance == 1 else None
             if nxt not in self._pending:
-                self._pending[nxt] = self._ahead(pool, nxt, load_next, stager)
+                self._pending[nxt] = self._ahead(pool, load_next, stager, not staged_device)
             elif stager is not None and nxt not in self._staged:
                 self._pending[nxt] = pool.submit(self._stage, self._pending[nxt], stager)
             if stager is not None:
                 self._staged.add(nxt)
             if not self._pending[nxt].done():
                 self._reading.add(nxt)
-        reading = any(not self._pending[k].done() for k in self._reading)
+        reading = any(k in self._pending and not self._pending[k].done() for k in self._reading)
         return reading, waited
 
     def _stager(self, device):
@@ -342,7 +370,7 @@ class Prefetcher:
             self._stagers[device] = staging.stager_for(device)
         return self._stagers[device]
 
-    def _ahead(self, pool: ThreadPoolExecutor, key, load: Callable[[], dict], stager) -> Future:
+    def _ahead(self, pool: ThreadPoolExecutor, load: Callable[[], dict], stager, may_quiet: bool) -> Future:
         # Looked up here where a lookup only maps. Pages already in the page cache are mapped here
         # too, at once: cheap in 2 MB folios, and a hand-off to the thread costs more than that
         # when torch keeps every core busy. Reads from the disk and copies to a device go to the
@@ -358,10 +386,8 @@ class Prefetcher:
             return done
         if stager is None and all(resident(t) for t in tensors.values()):
             done.set_result({name: touch(tensor) for name, tensor in tensors.items()})
-            if tensors:
-                self._probes[key] = max(tensors.values(), key=lambda t: t.numel() * t.element_size())
-            self._cached_run += 1
-            self._quiet = self._cached_run >= max(1, len(self.order) - 1)  # a whole pass
+            self._cached_run = self._cached_run + 1 if may_quiet else 0
+            self._quiet = self._cached_run >= max(1, len(self.order) - 1)
             return done
         self._cached_run = 0
         return pool.submit(self._read, tensors, stager)

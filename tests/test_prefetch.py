@@ -643,12 +643,13 @@ def test_a_range_taken_again_in_the_same_forward_is_dropped_first(written_map, m
     # takes again is dropped before it runs, and the rest waits for the round.
     mapped, page, dropped = written_map
     monkeypatch.setattr(prefetch, "DROP_BATCH", 1 << 30)
-    base = mapped.data_ptr()
+    base, per_page = mapped.data_ptr(), page // 4
+    lower, upper = mapped[: 3 * per_page], mapped[4 * per_page :]  # two weights of one file
     prefetch.forward_entered()
     try:
-        prefetch.drop_later(base, base + 3 * page, mapped)
-        prefetch.drop_later(base + 4 * page, base + 6 * page, mapped)
-        prefetch.taking([mapped[mapped.numel() // 2 :]])  # the second run takes the upper half
+        prefetch.drop_later(base, base + 3 * page, lower)
+        prefetch.drop_later(base + 4 * page, base + 6 * page, upper)
+        prefetch.taking([mapped[4 * per_page :]])  # the second run looks the upper one up again
         assert dropped() == [False, False, False, False, True, True]
     finally:
         prefetch.forward_left()

@@ -38,7 +38,7 @@ MAKE_ROOM = True  # make_room() on or off (benchmarks/prefetch.py measures both)
 # cost about 2 ms of a 37 ms forward of benchmarks/offload.py's dispatched model.
 DROP_BATCH = 32 << 20
 # .threads: the forward thread's torch thread count before it made room; .depth: hooked forwards
-# running on it; .held: (start, end, tensor) released in them and not yet dropped.
+# running on it; .held: {start: (end, tensor)} released in them and not yet dropped.
 _room = threading.local()
 _NOTHING = object()  # the probe of a hook with no weights: always "cached"
 
@@ -129,7 +129,9 @@ def drop_later(start: int, end: int, tensor: torch.Tensor) -> None:
     if not getattr(_room, "depth", 0):
         drop_pages(start, end)
         return
-    _room.__dict__.setdefault("held", []).append((start, end, tensor))
+    held = _room.__dict__.setdefault("held", {})  # start -> (end, tensor)
+    before = held.get(start)
+    held[start] = (max(end, before[0]), tensor) if before is not None else (end, tensor)
     _room.held_bytes = getattr(_room, "held_bytes", 0) + end - start
     if _room.held_bytes >= DROP_BATCH:
         drop_held()
@@ -140,10 +142,10 @@ def drop_held() -> None:
     held = getattr(_room, "held", None)
     if not held:
         return
-    _room.held, _room.held_bytes = [], 0
-    held.sort(key=lambda entry: entry[0])
-    start, end = held[0][0], held[0][1]
-    for low, high, _ in held[1:]:
+    _room.held, _room.held_bytes = {}, 0
+    ranges = sorted((low, high) for low, (high, _) in held.items())
+    start, end = ranges[0]
+    for low, high in ranges[1:]:
         if low <= end:  # adjoining or overlapping: the pages between are released too
             end = max(end, high)
         else:  # a gap may hold other memory: never dropped
@@ -153,20 +155,18 @@ def drop_held() -> None:
 
 
 def taking(tensors) -> None:
-    """A hook is about to use `tensors`: held ranges they overlap (released earlier in this forward:
-    a module run twice, a tied weight) are dropped now, so it sees the file's values as a fresh map
-    would, whatever a run before it wrote to them."""
+    """A hook is about to use `tensors`: the held ranges of the same tensors (released earlier in
+    this forward: a module run twice, a tied weight) are dropped now, so it sees the file's values
+    as a fresh map would, whatever a run before it wrote to them. By start address: the loader's
+    tensors of different keys never overlap (separate files, or safetensors' checked layout)."""
     held = getattr(_room, "held", None)
     if not held:
         return
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
-    hit = [any(low < end and start < high for start, end in spans) for low, high, _ in held]
-    if any(hit):
-        _room.held = [entry for entry, overlaps in zip(held, hit) if not overlaps]
-        _room.held_bytes = sum(high - low for low, high, _ in _room.held)
-        for (low, high, _), overlaps in zip(held, hit):
-            if overlaps:
-                drop_pages(low, high)
+    for tensor in tensors:
+        found = held.pop(tensor.data_ptr(), None)
+        if found is not None:
+            _room.held_bytes -= found[0] - tensor.data_ptr()
+            drop_pages(tensor.data_ptr(), found[0])
 
 
 def advise_huge(address: int, size: int) -> None:

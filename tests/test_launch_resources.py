@@ -203,7 +203,8 @@ STANDIN_NVML_C = r"""
 #include <stdlib.h>
 typedef struct { unsigned gpu, memory; } util_t;
 typedef struct { unsigned pid; unsigned long long used; } proc_t;  /* nvmlProcessInfo_v1_t */
-typedef struct { unsigned pid; unsigned long long used; unsigned gi, ci; } proc_v2_t;
+/* What _v3 filled on drivers 535.43-535.86 (nvmlProcessInfo_v3_t, 32 bytes); others wrote 24. */
+typedef struct { unsigned pid; unsigned long long used; unsigned gi, ci; unsigned long long cc; } proc_v3_t;
 static int device_line(long index, char *line, int size) {
     FILE *f = fopen(getenv("STANDIN_NVML"), "r");
     long i = 0;
@@ -249,9 +250,9 @@ static int running(void *handle, unsigned *count, proc_t *infos) {
     *count = n;
     return 0;
 }
-/* The unversioned call fills v1 entries; _v3 fills larger ones (a reader must not mix them up). */
+/* The unversioned call fills v1 entries; _v3 larger ones, their size by driver: a reader must use the first. */
 int nvmlDeviceGetComputeRunningProcesses(void *h, unsigned *c, proc_t *i) { return running(h, c, i); }
-int nvmlDeviceGetComputeRunningProcesses_v3(void *h, unsigned *c, proc_v2_t *infos) {
+int nvmlDeviceGetComputeRunningProcesses_v3(void *h, unsigned *c, proc_v3_t *infos) {
     proc_t found[256];
     unsigned n = *c < 256 ? *c : 256, i;
     int status = running(h, &n, found);

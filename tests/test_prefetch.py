@@ -787,3 +787,23 @@ def test_a_module_run_twice_in_a_forward_sees_the_files_weights_each_time(tmp_pa
     with torch.no_grad():
         for _ in range(3):
             assert torch.allclose(model(x), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_a_range_released_twice_counts_once_toward_a_round(written_map, monkeypatch):
+    # Two names for one weight release it twice: counted twice, rounds would come early and the
+    # count, never quite given back, would end batching forward after forward.
+    mapped, page, dropped = written_map
+    monkeypatch.setattr(prefetch, "DROP_BATCH", 3 * page)
+    base = mapped.data_ptr()
+    for _ in range(3):
+        prefetch.forward_entered()
+        try:
+            prefetch.drop_later(base, base + 2 * page, mapped)
+            prefetch.drop_later(base, base + 2 * page, mapped)  # the same, again: not a round yet
+            assert dropped()[:2] == [False, False]
+            prefetch.taking([mapped])
+            assert dropped()[:2] == [True, True] and prefetch._room.held_bytes == 0
+            mapped.fill_(-1)
+        finally:
+            prefetch.forward_left()

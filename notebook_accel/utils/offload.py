@@ -327,7 +327,8 @@ class OffloadedWeightsLoader(Mapping):
     def release_pages(self, tensors) -> None:
         """Let the kernel take back the pages of `tensors` that are views of a file this loader
         keeps mapped (a hook is done with them): the next use maps them again from the page cache,
-        and what was written to them in place is forgotten, as if the file were mapped afresh.
+        and what was written to their whole pages in place is forgotten, as if the file were mapped
+        afresh (a safetensors tensor's partial first and last pages are never dropped: they keep it).
         Without this, every disk block a forward used stayed in the process's RSS. Inside a hooked
         forward they go in rounds (`prefetch.drop_later`), all by the end of it, and before a hook
         of the same forward takes them again (`prefetch.taking`)."""

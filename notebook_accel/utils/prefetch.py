@@ -130,9 +130,9 @@ def drop_later(start: int, end: int, tensor: torch.Tensor) -> None:
         drop_pages(start, end)
         return
     held = _room.__dict__.setdefault("held", {})  # start -> (end, tensor)
-    before = held.get(start)
-    held[start] = (max(end, before[0]), tensor) if before is not None else (end, tensor)
-    _room.held_bytes = getattr(_room, "held_bytes", 0) + end - start
+    before = held[start][0] if start in held else start  # released twice: counted once
+    held[start] = (max(end, before), tensor)
+    _room.held_bytes = getattr(_room, "held_bytes", 0) + max(0, end - before)
     if _room.held_bytes >= DROP_BATCH:
         drop_held()
 
@@ -140,9 +140,9 @@ def drop_later(start: int, end: int, tensor: torch.Tensor) -> None:
 def drop_held() -> None:
     """Drop what `drop_later` holds for this thread, adjoining ranges in one call."""
     held = getattr(_room, "held", None)
+    _room.held, _room.held_bytes = {}, 0
     if not held:
         return
-    _room.held, _room.held_bytes = {}, 0
     ranges = sorted((low, high) for low, (high, _) in held.items())
     start, end = ranges[0]
     for low, high in ranges[1:]:
@@ -156,9 +156,11 @@ def drop_held() -> None:
 
 def taking(tensors) -> None:
     """A hook is about to use `tensors`: the held ranges of the same tensors (released earlier in
-    this forward: a module run twice, a tied weight) are dropped now, so it sees the file's values
-    as a fresh map would, whatever a run before it wrote to them. By start address: the loader's
-    tensors of different keys never overlap (separate files, or safetensors' checked layout)."""
+    this forward: a module run twice, a tied weight) are dropped now, as releasing at once would
+    have, so their whole pages show the file's values again whatever a run before wrote to them
+    (the partial pages at a tensor's ends keep such writes, as they always did). By start address:
+    the loader's tensors of different keys never overlap (separate files, or safetensors' checked
+    layout). A hook around this one still using the same tensor reads it back from the page cache."""
     held = getattr(_room, "held", None)
     if not held:
         return
@@ -325,8 +327,9 @@ class Prefetcher:
         return found
 
     def _still_cached(self, here: int) -> bool:
-        # The weights AHEAD hooks on (past the end: those the next forward starts with), sampled:
-        # a miss (the page cache was dropped, or evicted under pressure) wakes the read-ahead up.
+        # The weights AHEAD hooks on (past the end: those the next forward starts with; with no
+        # more hooks than AHEAD, a running hook's own), sampled: a miss (the page cache was
+        # dropped, or evicted) wakes the read-ahead up.
         probe = self._probes.get(self.order[(here + AHEAD) % len(self.order)])
         return probe is _NOTHING or (probe is not None and resident(probe, samples=1))
 
@@ -350,12 +353,13 @@ class Prefetcher:
             if nxt not in self._loaders:
                 continue
             load_next, device_next = self._loaders[nxt]
-            staged_device = self._stager(device_next) is not None
+            # Quiet only where lookups only map, and never where copies to a device are made ahead.
+            may_quiet = self.inline is not None and self._stager(device_next) is None
             # Copied to the device one hook ahead only: device_map plans room for one
             # offloaded layer beside the running one, not AHEAD of them.
             stager = self._stager(device_next) if distance == 1 else None
             if nxt not in self._pending:
-                self._pending[nxt] = self._ahead(pool, load_next, stager, not staged_device)
+                self._pending[nxt] = self._ahead(pool, load_next, stager, may_quiet)
             elif stager is not None and nxt not in self._staged:
                 self._pending[nxt] = pool.submit(self._stage, self._pending[nxt], stager)
             if stager is not None:

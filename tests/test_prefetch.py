@@ -522,22 +522,29 @@ def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path,
         assert copied_loader._views and all(copied_loader._in_shard_map(t) for t in copied_loader._views.values())
 
 
+def _stage_on_cpu(monkeypatch) -> list:
+    """Give the CPU a stager, as CUDA has (PlainStager: CudaStager's logic with a plain copy);
+    returns the list each staging appends (its thread's name, how many tensors) to."""
+    from notebook_accel.utils import staging
+
+    calls: list = []
+
+    class Recording(staging.PlainStager):
+        def stage(self, tensors, release=None):
+            calls.append((threading.current_thread().name, len(tensors)))
+            return super().stage(tensors, release)
+
+    monkeypatch.setattr(staging, "stages", lambda device: str(device) == "cpu")
+    monkeypatch.setattr(staging, "stager_for", lambda device: Recording(device) if str(device) == "cpu" else None)
+    return calls
+
+
 @pytest.mark.timeout(60)
 def test_weights_read_ahead_are_copied_to_the_device_ahead_and_their_pages_released(offloaded, monkeypatch):
     # What CudaStager does on a CUDA device (pinned copy, non_blocking on a side stream), done here
     # with PlainStager's plain copy: the forward uses the copies, the mapped pages are let go.
-    from notebook_accel.utils import staging
-
     model, x, reference, folder = offloaded
-    staged_on = []
-
-    class Recording(staging.PlainStager):
-        def stage(self, tensors, release=None):
-            staged_on.append(threading.current_thread().name)
-            return super().stage(tensors, release)
-
-    monkeypatch.setattr(staging, "stages", lambda device: str(device) == "cpu")
-    monkeypatch.setattr(staging, "stager_for", lambda device: Recording(device))
+    staged_on = _stage_on_cpu(monkeypatch)
     folder_maps = []
     used = []
     linear = torch.nn.functional.linear
@@ -557,7 +564,7 @@ def test_weights_read_ahead_are_copied_to_the_device_ahead_and_their_pages_relea
             assert torch.equal(model(x), reference)
             assert _rss_of_folder(folder) == 0  # every source released once copied
     linears = 2 * DEPTH
-    assert len(staged_on) == 2 * (linears - 1) and all(t.startswith("notebook_accel-prefetch") for t in staged_on)
+    assert len(staged_on) == 2 * (linears - 1) and all(t.startswith("notebook_accel-prefetch") for t, _ in staged_on)
     # The first Linear of each forward reads its own map; every other one used a staged copy.
     assert used == [True] + [False] * (linears - 1) + [True] + [False] * (linears - 1), used
 
@@ -667,18 +674,8 @@ def _prefetcher_of(model):
 def test_weights_copied_to_a_device_ahead_never_step_aside(offloaded, monkeypatch):
     # Stepping aside is for maps the page cache serves; a stager's copies are the point. One hook
     # looked up without a device (as a hook holding a tied weight is) must not change that.
-    from notebook_accel.utils import staging
-
     model, x, reference, _ = offloaded
-    staged = []
-
-    class Counting(staging.PlainStager):
-        def stage(self, tensors, release=None):
-            staged.append(len(tensors))
-            return super().stage(tensors, release)
-
-    monkeypatch.setattr(staging, "stages", lambda device: str(device) == "cpu")
-    monkeypatch.setattr(staging, "stager_for", lambda device: Counting(device) if str(device) == "cpu" else None)
+    staged = _stage_on_cpu(monkeypatch)
     model.blocks[0].down._hf_hook.tied_params_names.add("weight")  # order[1]: no stager
     per_forward = []
     with torch.no_grad():

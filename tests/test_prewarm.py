@@ -278,8 +278,11 @@ def test_the_early_server_goes_with_its_kernel(kernel, end):
 IMPORTED = (
     "import json, os, sys\n"
     "from notebook_accel.jupyter import ready\n"
+    "from notebook_accel.launch import rank_imports\n"
     "print(json.dumps({'imported': ready.imported, 'on': ready.imported_on,\n"
-    "                  'loaded': [m for m in ready.LAUNCH_PATH + ready.PANEL if m in sys.modules]}))"
+    "                  'loaded': [m for m in ready.LAUNCH_PATH + ready.PANEL if m in sys.modules],\n"
+    "                  'rank_modules': [m for m in rank_imports.names() if m in sys.modules],\n"
+    "                  'rank_modules_on': ready.rank_modules_on}))"
 )
 
 
@@ -305,6 +308,9 @@ def test_in_a_kernel_the_launch_path_is_imported_once_the_import_cell_has_ended(
     assert after["imported"] == expected, after
     assert set(ready.LAUNCH_PATH) <= set(after["loaded"]), after
     assert after["on"] == "MainThread", after  # the kernel's own thread, between cells
+    # and what ranks import (launch/rank_imports.py), likewise, so forked ranks inherit it
+    assert "torch._dynamo" in after["rank_modules"] and "notebook_accel.accelerator" in after["rank_modules"], after
+    assert after["rank_modules_on"] == "MainThread", after
     ranks = said(
         kc,
         f"sys.path.insert(0, {TESTS!r})\nfrom launch_targets import where_this_rank_runs\n"
@@ -324,3 +330,4 @@ def test_in_a_kernel_prewarm_off_imports_nothing_early(kernel):
     time.sleep(ready.DELAY_S + 1.5)
     after = said(kc, IMPORTED)
     assert after["imported"] == [] and "notebook_accel.launch.starters.local" not in after["loaded"], after
+    assert "torch._dynamo" not in after["rank_modules"] and after["rank_modules_on"] is None, after

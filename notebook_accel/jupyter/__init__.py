@@ -72,7 +72,8 @@ def register_frontend() -> None:
 def prewarm() -> None:
     """In a kernel, start the warm forkserver in the background (launch/prewarm.py): the first
     `forkserver` launch or session then finds it booted; and once this cell ends, import the
-    launch path while the kernel is idle (ready.py). NOTEBOOK_ACCEL_PREWARM=0 turns both off."""
+    launch path and what ranks import while the kernel is idle (ready.py). NOTEBOOK_ACCEL_PREWARM=0
+    turns all of it off."""
     if in_kernel():
         from ..launch import prewarm as early
 

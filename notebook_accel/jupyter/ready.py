@@ -3,10 +3,11 @@
 `import notebook_accel` stays light: the launcher, the hardware probe, psutil, the panel and
 ipywidgets are imported by the first launch, about 0.1 s of it (benchmarks/launch.py). In a
 kernel, once the cell that imported notebook_accel has finished, they are imported on the kernel's
-own event loop, in its main thread: never inside a cell's synchronous code (an async cell that
+own event loop, in its main thread, and then what a training function's ranks import
+(launch/rank_imports.py), which forked ranks inherit: never inside a cell's synchronous code (an async cell that
 awaits lets the loop run it), and never on a thread of ours (a fork launch while such a thread
 held an import lock could hang its ranks). Part of the early start
-of launch/prewarm.py: NOTEBOOK_ACCEL_PREWARM=0 turns both off.
+of launch/prewarm.py: NOTEBOOK_ACCEL_PREWARM=0 turns it all off.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ PANEL = (
 _scheduled = False
 imported: list = []  # what the idle import did, in order, and on which thread (read by tests)
 imported_on = None
+rank_modules_on = None
 
 
 def schedule(shell) -> bool:
@@ -62,6 +64,8 @@ def schedule(shell) -> bool:
     def after_cell(*_):
         shell.events.unregister("post_run_cell", after_cell)
         loop.call_later(DELAY_S, import_launch_path)
+        # A callback of its own: a cell asked for meanwhile runs between the two.
+        loop.call_later(DELAY_S, import_rank_modules)
 
     shell.events.register("post_run_cell", after_cell)
     _scheduled = True
@@ -81,3 +85,15 @@ def import_launch_path() -> None:
         except Exception:  # noqa: BLE001 - the first launch imports it again and says what failed
             return
         imported.append(name)
+
+
+def import_rank_modules() -> None:
+    """What ranks import (launch/rank_imports.py: torch._dynamo, about 1.7 s and 70 MB, and the
+    training modules), so that forked ranks and fork session workers inherit them."""
+    import threading
+
+    from ..launch import rank_imports
+
+    global rank_modules_on
+    rank_modules_on = threading.current_thread().name
+    rank_imports.import_all()

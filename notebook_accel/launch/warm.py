@@ -28,11 +28,10 @@ from typing import Optional
 SERVER_START_S = 120.0  # booting (torch, torch._dynamo) takes about 4.5 s; past this it is stuck, not slow
 SPARES_IDLE_S = 0.25  # the server forks spares once it has had no request for this long
 SERVER_CODE = "from notebook_accel.launch.warm import serve; serve()"
-# torch._dynamo: DistributedDataParallel imports it at construction, about 1 s per rank otherwise.
+# And rank_imports.names() after these (torch._dynamo, the training modules).
 PRELOAD = (
     "torch",
     "torch.distributed",
-    "torch._dynamo",
     "cloudpickle",
     "notebook_accel.state",
     "notebook_accel.launch.payload",
@@ -51,6 +50,9 @@ def serve() -> None:
     with _exit_with_parent_while_booting():
         for name in PRELOAD:
             importlib.import_module(name)
+        from . import rank_imports
+
+        rank_imports.import_all(respect_opt_out=False)  # PREWARM=0 is about the kernel, not the server
     send_frame(sock, ("ready", os.getpid()))
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ, "request")

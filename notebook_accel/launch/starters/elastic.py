@@ -61,10 +61,17 @@ def run(plan, payload, sink, control) -> list:
     if start_method == "forkserver":
         import multiprocessing
 
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(_FORKSERVER_PRELOAD))
+        from .. import rank_imports
+
+        preload = list(_FORKSERVER_PRELOAD) + list(rank_imports.names())
+        multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     # Forked ranks take the payload from memory; the others get it pickled, made here so an
     # unpicklable object is named before any process starts.
     target = payload if start_method == "fork" else payload.pickled()
+    if start_method == "fork":
+        from .. import rank_imports
+
+        rank_imports.import_all()  # every attempt's ranks inherit them from the agent process
     endpoint = plan.rdzv_endpoint or f"{plan.master_addr}:{plan.master_port}"
     conf = _rendezvous_conf(plan)
     hub = _Hub(plan, sink, _waiting_text(plan, endpoint, conf))

@@ -27,6 +27,9 @@ def start(plan, payload, deadline: Optional[float] = None) -> StartedRanks:
     warm = None
     if plan.start_method == "fork":
         from ... import state  # noqa: F401  (imported once here rather than in every forked rank)
+        from .. import rank_imports
+
+        rank_imports.import_all()  # likewise torch._dynamo and the training modules, once a process
     else:
         payload.pickled()  # pickled now: an unpicklable object is named before any process starts
     if plan.start_method == "forkserver":

@@ -59,6 +59,21 @@ SPAWN = (
 )
 FAIL_FORK = 'notebook_launcher(flaky, args=(1,), num_processes=2, use_port="auto")'
 FAIL_SPAWN = 'notebook_launcher(flaky, args=(0,), num_processes=2, use_port="auto", start_method="spawn")'
+BAD_INPUT = 'notebook_launcher(work, args=(Accumulator(0), 0), num_processes=0)'
+WRAPPED = """\
+def main():
+    return notebook_launcher(flaky, args=(1,), num_processes=2, use_port="auto")
+main()
+"""
+DETAIL = """\
+try:
+    notebook_launcher(flaky, args=(1,), num_processes=2, use_port="auto")
+except Exception as exc:
+    failed = exc
+print("DETAIL", sorted(failed.reports), type(failed.reports[1]).__name__, sorted(failed.failures),
+      type(failed.failures[1]).__name__, failed.failures[1].message)
+print("WHOLE", repr(failed.reports[1].traceback))
+"""
 AGAIN = 'print("AGAIN", notebook_launcher(work, args=(Accumulator(0), 0), num_processes=2, use_port="auto"))'
 ORPHANS = """\
 def left():  # the warm forkserver, started by the import, stays up by design; its ranks may not
@@ -70,7 +85,8 @@ while left() and time.monotonic() < deadline:
 print("CHILDREN", [(p.pid, p.name()) for p in left()])
 """
 
-CELLS = [SETUP, DEFINE, FORK, SPAWN, FAIL_FORK, FAIL_SPAWN, AGAIN, ORPHANS]
+CELLS = [SETUP, DEFINE, FORK, SPAWN, FAIL_FORK, FAIL_SPAWN, BAD_INPUT, WRAPPED, DETAIL, AGAIN, ORPHANS]
+LIBRARY_FRAME = re.compile(r"File .*notebook_accel|launcher\.py|monitor\.py|starters")
 
 
 @pytest.fixture
@@ -117,7 +133,7 @@ def test_launch_from_a_real_kernel(kernel_env):
         resources={"metadata": {"path": str(kernel_env)}},
     )
     client.execute()
-    setup, define, fork, spawn, fail_fork, fail_spawn, again, orphans = nb.cells
+    setup, define, fork, spawn, fail_fork, fail_spawn, bad_input, wrapped, detail, again, orphans = nb.cells
 
     assert _error(setup) is None, _error(setup)
     assert f"EXE {sys.executable}\n" in _stdout(setup)
@@ -141,7 +157,29 @@ def test_launch_from_a_real_kernel(kernel_env):
         assert 'raise ZeroDivisionError("rank gave up in the cell")' in error.evalue, error.evalue
         # The function was defined in the notebook's second cell, and is named as IPython names it.
         assert re.search(r"Cell In\[2\], line \d+, in flaky", error.evalue), error.evalue
-        assert "LaunchFailedError" in _strip_ansi("".join(error.traceback))
+        shown = _strip_ansi("\n".join(error.traceback))
+        assert "LaunchFailedError" in shown
+        # What the user sees: their call, then the rank's traceback; none of the library's frames.
+        assert f"Cell In[{cell.execution_count}], line 1" in shown, shown
+        assert re.search(r"Cell In\[2\], line \d+, in flaky", shown), shown
+        assert not LIBRARY_FRAME.search(shown), shown
+
+    # Bad input: the call and the message, no frame of the plan's checks.
+    error = _error(bad_input)
+    assert error is not None and error.ename == "LaunchConfigError", bad_input.outputs
+    shown = _strip_ansi("\n".join(error.traceback))
+    assert "num_processes" in shown and f"Cell In[{bad_input.execution_count}], line 1" in shown, shown
+    assert not LIBRARY_FRAME.search(shown), shown
+    # The user's own function that called the launcher keeps its frame.
+    error = _error(wrapped)
+    shown = _strip_ansi("\n".join(error.traceback))
+    assert f"Cell In[{wrapped.execution_count}], line 2, in main" in shown, shown
+    assert not LIBRARY_FRAME.search(shown), shown
+    # The full detail stays on the exception: rank -> RankFailed (the whole traceback) and torch's failures.
+    assert _error(detail) is None, _error(detail)
+    out = _stdout(detail)
+    assert "DETAIL [1] RankFailed [1] ProcessFailure rank 1 raised ZeroDivisionError" in out, out
+    assert "Traceback (most recent call last)" in out and "rank gave up in the cell" in out, out
 
     # The kernel launches again at once, and nothing is left running.
     assert _error(again) is None, _error(again)

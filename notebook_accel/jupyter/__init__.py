@@ -63,10 +63,18 @@ def label_cells(text: str) -> str:
 
 
 def register_frontend() -> None:
-    """Lend launches this layer's sinks and cell labels; cheap (imports neither torch nor IPython)."""
+    """Lend launches this layer's sinks, cell labels and error rendering; cheap (imports neither
+    torch nor IPython)."""
     from ..launch import frontend
 
-    frontend.register(sinks=launch_sinks, traceback_labeller=label_cells)
+    frontend.register(sinks=launch_sinks, traceback_labeller=label_cells, traceback_renderer=render_error)
+
+
+def render_error(error: BaseException) -> list:
+    """What IPython shows for a launch error raised in a kernel (launch/errors.py): no library frames."""
+    from .tracebacks import render
+
+    return render(error)
 
 
 def prewarm() -> None:

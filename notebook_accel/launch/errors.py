@@ -9,7 +9,23 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from .events import RankFailed
 
 
-class LaunchConfigError(ValueError):
+class _ShownByFrontEnd:
+    """IPython shows an exception's `_render_traceback_()` when it has one. Where a front end
+    registered a renderer (a kernel: jupyter/tracebacks.py), a launch error has one, which leaves
+    the library's frames out: the user's call, then the message (a failed rank's own traceback).
+    Elsewhere the attribute does not exist and the usual traceback is shown."""
+
+    @property
+    def _render_traceback_(self):
+        from . import frontend
+
+        render = frontend.traceback_renderer()
+        if render is None:
+            raise AttributeError("_render_traceback_")
+        return lambda: render(self)
+
+
+class LaunchConfigError(_ShownByFrontEnd, ValueError):
     """A launch argument or environment cannot work; raised before any process starts."""
 
 
@@ -17,7 +33,7 @@ class UnpicklableError(LaunchConfigError):
     """The function or an argument cannot travel to spawn / forkserver children."""
 
 
-class LaunchFailedError(ChildFailedError):
+class LaunchFailedError(_ShownByFrontEnd, ChildFailedError):
     """One or more ranks failed. `failures` maps rank -> torch ProcessFailure, `reports` -> RankFailed."""
 
     def __init__(self, reports: list, name: str = "notebook_launcher"):
@@ -36,11 +52,11 @@ class LaunchFailedError(ChildFailedError):
         return self.args[0]
 
 
-class NodesMissingError(TimeoutError):
+class NodesMissingError(_ShownByFrontEnd, TimeoutError):
     """A multi-node launch gave up waiting at the rendezvous: not every node joined in time."""
 
 
-class LaunchStoppedError(RuntimeError):
+class LaunchStoppedError(_ShownByFrontEnd, RuntimeError):
     """The launch was ended from outside (Stop button, `timeout`); every rank was stopped."""
 
     def __init__(self, reason: str, reports: list = ()):

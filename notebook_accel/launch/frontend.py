@@ -2,7 +2,8 @@
 
 A launch asks here for its default sinks and for the way a traceback names notebook code. With
 nothing registered (a script, a terminal, a worker) it gets rank-prefixed text and plain tracebacks.
-`notebook_accel.jupyter` registers the live panel, the extension's comm sink and `Cell In[N]` labels.
+`notebook_accel.jupyter` registers the live panel, the extension's comm sink, `Cell In[N]` labels
+and the way IPython shows a launch error (without the library's frames).
 """
 
 from __future__ import annotations
@@ -11,16 +12,28 @@ from typing import Callable, Optional
 
 _sink_factory: Optional[Callable] = None
 _traceback_labeller: Optional[Callable] = None
+_traceback_renderer: Optional[Callable] = None
 
 
-def register(sinks: Optional[Callable] = None, traceback_labeller: Optional[Callable] = None) -> None:
+def register(
+    sinks: Optional[Callable] = None,
+    traceback_labeller: Optional[Callable] = None,
+    traceback_renderer: Optional[Callable] = None,
+) -> None:
     """`sinks(show_after)` returns the sinks for one launch (None: the console's default);
-    `traceback_labeller(text)` rewrites file names in a failure's text. Registering replaces."""
-    global _sink_factory, _traceback_labeller
+    `traceback_labeller(text)` rewrites file names in a failure's text; `traceback_renderer(error)`
+    returns the lines IPython shows for a launch error (errors.py). Registering replaces."""
+    global _sink_factory, _traceback_labeller, _traceback_renderer
     if sinks is not None:
         _sink_factory = sinks
     if traceback_labeller is not None:
         _traceback_labeller = traceback_labeller
+    if traceback_renderer is not None:
+        _traceback_renderer = traceback_renderer
+
+
+def traceback_renderer() -> Optional[Callable]:
+    return _traceback_renderer
 
 
 def default_sinks(show_after: float = 0.0) -> list:

@@ -27,6 +27,12 @@ class Placement:
     device: str  # a torch device string; XLA's is filled in by the XLA runtime
 
 
+def several_on_cpu(family: Optional[str]) -> bool:
+    """Several processes of `family` run on the CPU (MULTI_CPU): no accelerator, or one without a
+    multi-process backend (mps)."""
+    return family is None or family not in FAMILIES
+
+
 def resolve_placement(
     env: LaunchEnv,
     family: Optional[str],

@@ -161,11 +161,12 @@ def test_plan_takes_every_left_out_argument_from_the_config(config_file):
     assert plan.mixed_precision == "bf16" and plan.max_restarts == 2 and plan.engine == "elastic"
     assert plan.env["ACCELERATE_USE_CPU"] == "1" and plan.env["ACCELERATE_DEBUG_MODE"] == "1"
     assert any("from " in n and "num_processes=2" in n for n in plan.notes)
+    # One process: several CPU ranks get ACCELERATE_USE_CPU whatever cpu says (tests/test_real_accelerate.py).
     explicit = make_plan(
-        num_processes=3, mixed_precision="no", use_port="auto", master_addr="127.0.0.1", node_rank=0, num_nodes=1,
+        num_processes=1, mixed_precision="no", use_port="auto", master_addr="127.0.0.1", node_rank=0, num_nodes=1,
         rdzv_backend="static", max_restarts=0, cpu=False, debug=False,
     )  # fmt: skip
-    assert (explicit.num_processes, explicit.num_nodes, explicit.node_rank, explicit.engine) == (3, 1, 0, "local")
+    assert (explicit.num_processes, explicit.num_nodes, explicit.node_rank, explicit.engine) == (1, 1, 0, "local")
     assert explicit.mixed_precision == "no" and explicit.master_addr == "127.0.0.1"
     assert "ACCELERATE_USE_CPU" not in explicit.env and explicit.env["ACCELERATE_DEBUG_MODE"] == "0"
 

@@ -51,6 +51,9 @@ def notebook_launcher(
     `gpu_ids` ("0,2" or [0, 2]) chooses the devices the ranks see (CUDA_VISIBLE_DEVICES, or the
     family's variable), checked against the devices here; None means the config's, else all. Without
     `use_port`, a launch on one machine picks a free port (two notebooks never meet on 29500).
+    Several ranks on the CPU (no accelerator, or `cpu=True`) get ACCELERATE_USE_CPU=1 unless it is set
+    here already, so Hugging Face's own accelerate in them (transformers' Trainer, `Accelerator()`)
+    forms one MULTI_CPU job too; its bare `PartialState()` reads only its `cpu` argument.
     """
     if not callable(function):
         raise TypeError(

@@ -129,6 +129,8 @@ def make_plan(
     fsdp=None,
 ) -> LaunchPlan:
     from .. import hardware
+    from ..placement import several_on_cpu
+    from ..utils import imports
     from ..utils.dataclasses import parse_mixed_precision
     from ..utils.environment import DEBUG_ENV, LAUNCHER_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
 
@@ -222,6 +224,10 @@ def make_plan(
     }
     if cpu:
         env[USE_CPU_ENV] = "1"
+    elif num_processes * num_nodes > 1 and several_on_cpu(family) and USE_CPU_ENV not in os.environ:
+        env[USE_CPU_ENV] = "1"  # so accelerate itself (transformers' Trainer) sees one job, as our state does
+        if imports.hf_accelerate_installed():
+            notes.append(_USE_CPU_NOTE.format(n=num_processes * num_nodes))
     if debug is not None:
         env[DEBUG_ENV] = "1" if debug else "0"
     if visible:
@@ -253,6 +259,14 @@ def make_plan(
     if port_held:
         weakref.finalize(plan, ports.release, port)  # a plan dropped unlaunched lets go of its port
     return plan
+
+
+# accelerate 1.15 without an accelerator is one process per rank (DistributedType.NO) unless told
+# cpu: AcceleratorState and transformers' TrainingArguments read ACCELERATE_USE_CPU, PartialState does not.
+_USE_CPU_NOTE = (
+    "notebook_accel: ACCELERATE_USE_CPU=1 for the ranks (no accelerator here), so Hugging Face accelerate's "
+    "Accelerator() and transformers' Trainer in them form one {n}-process job; set ACCELERATE_USE_CPU to choose."
+)
 
 
 def choose_engine(family: Optional[str], num_nodes: int, max_restarts: int, rdzv_backend: str) -> str:

@@ -156,6 +156,17 @@ def installed_version(module: str, distributions) -> Optional[str]:
     return None
 
 
+def hf_accelerate_installed() -> bool:
+    """Hugging Face's accelerate is installed where this process looks: its distribution, so an
+    `accelerate` module that only aliases notebook_accel (the conformance tests') does not count.
+    Not cached: a notebook may install it between launches."""
+    try:
+        importlib.metadata.distribution("accelerate")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _distribution_probe(name: str, module: str, distributions, minimum: Optional[str]):
     def probe() -> bool:
         found = installed_version(module, distributions)

@@ -508,7 +508,7 @@ class Accelerator(AcceleratorTools):
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs) -> None:
         """Restore everything save_state wrote (no input_dir + automatic naming: the latest). Loaders
-        resume mid-epoch only with use_stateful_dataloader=True, else replay the epoch (see README)."""
+        resume mid-epoch only with use_stateful_dataloader=True, else replay the epoch (see docs/checkpoints.md)."""
         from .fsdp_checkpoint import load_state  # checkpointing.load_state unless the run uses FSDP
 
         load_state(self, input_dir, **kwargs)

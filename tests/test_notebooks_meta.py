@@ -1,5 +1,5 @@
 """Every notebook as committed: no outputs, the open-in badges for its own path, the install cell,
-and a line in the README."""
+and a line in the README (its list of notebooks)."""
 
 from __future__ import annotations
 
@@ -97,14 +97,19 @@ def test_what_the_install_cells_ask_pip_for_is_valid_and_declared():
 @pytest.mark.timeout(60)  # git ls-files
 def test_the_repository_is_named_in_one_place():
     """pyproject.toml's Repository URL is the only source: every GitHub link in the notebooks is
-    generated from it, and no other tracked file spells the repository out."""
+    generated from it, the README's install line is checked against it, and no other tracked file
+    spells the repository out."""
     url = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
     assert url == f"https://github.com/{notebook_header.REPO}"
     for path in NOTEBOOKS:
         linked = set(re.findall(r"github(?:\.com)?/([\w.-]+/[\w.-]+?)(?:/blob|/main|\b\\?\")", path.read_text()))
         assert linked == {notebook_header.REPO}, (path.name, linked)
+    # The README installs from it (the notebooks' own requirement, tests/test_docs_examples.py) and names no other.
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"github\.com/([\w.-]+/[\w.-]+?)(?:\.git)?(?=[\s\"'/)#]|$)", readme))
+    assert named == {notebook_header.REPO}, f"README.md names {named}: install from pyproject.toml's Repository"
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     spelled = [name for name in tracked.split() if not name.startswith(("notebooks/", "extension/package-lock"))
-               and name != "pyproject.toml" and (ROOT / name).is_file()
+               and name not in ("pyproject.toml", "README.md") and (ROOT / name).is_file()
                and notebook_header.REPO in (ROOT / name).read_text(errors="replace")]  # fmt: skip
     assert spelled == [], f"the repository is spelled out in {spelled}: read it from pyproject.toml"

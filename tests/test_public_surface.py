@@ -80,11 +80,18 @@ def test_resolve_can_fail():
     assert not resolve("accelerator.Accelerator.no_such_method")
 
 
-def test_readmes_compatibility_section_is_up_to_date():
-    readme = (ROOT / "README.md").read_text()
-    assert compat_section.current(readme) == compat_section.section(), (
-        "README.md's compatibility section is out of date: run python tools/compat_section.py"
+def test_the_compatibility_page_and_the_readme_headline_are_up_to_date():
+    page = (ROOT / "docs" / "compatibility.md").read_text()
+    assert compat_section.current(page) == compat_section.section(), (
+        "docs/compatibility.md's public-surface section is out of date: run python tools/compat_section.py"
     )
+    readme = (ROOT / "README.md").read_text()
+    assert compat_section.current_headline(readme) == compat_section.headline(), (
+        "README.md's compatibility headline is out of date: run python tools/compat_section.py"
+    )
+    names, provided = compat_section.measured()
+    assert f"**{len(provided)} of {len(names)}**" in compat_section.headline()
+    assert compat_section.main(["--check"]) == 0
 
 
 def test_the_section_check_fails_on_a_stale_or_missing_section():
@@ -92,4 +99,8 @@ def test_the_section_check_fails_on_a_stale_or_missing_section():
     stale = fresh.replace("provides **", "provides **1", 1)
     assert compat_section.current(f"intro\n{stale}\noutro") != fresh
     with pytest.raises(ValueError, match="compat:start"):
-        compat_section.current("a README without the markers")
+        compat_section.current("a page without the markers")
+    headline = compat_section.headline()
+    assert compat_section.current_headline(f"a\n{headline.replace('**', '**1', 1)} b") != headline
+    with pytest.raises(ValueError, match="compat:headline"):
+        compat_section.current_headline("a README without the markers")

@@ -1,17 +1,19 @@
-"""README's "Compatibility with accelerate" section, written from the measured public surface.
+"""The public-surface section of docs/compatibility.md and README's one-line headline, written from
+the measured public surface.
 
-    python tools/compat_section.py          # rewrite the section between the markers in README.md
-    python tools/compat_section.py --check  # exit 1 when README's section is out of date
+    python tools/compat_section.py          # rewrite both, between their markers
+    python tools/compat_section.py --check  # exit 1 when either is out of date
 
 The names come from accelerate 1.15.0's wheel (tests/conformance/surface.py), what is provided is
 what resolves in notebook_accel, and what is not is tests/conformance/not_provided.py, grouped by
-reason. tests/test_public_surface.py fails when the section is stale.
+reason. tests/test_public_surface.py fails when either text is stale.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import Counter
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,18 +21,37 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 from conformance import not_provided, surface  # noqa: E402
 
+PAGE = ROOT / "docs" / "compatibility.md"  # the section
+README = ROOT / "README.md"  # the headline
 START = "<!-- compat:start (written by tools/compat_section.py; do not edit by hand) -->"
 END = "<!-- compat:end -->"
+HEADLINE_START = "<!-- compat:headline (written by tools/compat_section.py) -->"
+HEADLINE_END = "<!-- compat:headline end -->"
 
 
 def _where(namespace: str) -> str:
     return f"`accelerate.{namespace}`" if namespace else "`accelerate`"
 
 
+@lru_cache(maxsize=1)
+def measured() -> tuple:
+    """(accelerate's public names, those notebook_accel provides at the same path)."""
+    names = frozenset(surface.public_names())
+    return names, frozenset(n for n in names if surface.resolve(n))
+
+
+def headline() -> str:
+    """README's one line, markers included."""
+    names, provided = measured()
+    return (
+        f"{HEADLINE_START}notebook_accel provides **{len(provided)} of {len(names)}** of accelerate "
+        f"{surface.wheel.VERSION}'s public names at the same path.{HEADLINE_END}"
+    )
+
+
 def section() -> str:
     """The section's text, markers included."""
-    names = surface.public_names()
-    provided = {n for n in names if surface.resolve(n)}
+    names, provided = measured()
     total, have = Counter(), Counter()
     for name in names:
         namespace = surface.module_of(name)
@@ -66,24 +87,38 @@ def section() -> str:
     return "\n".join(lines)
 
 
-def current(readme: str) -> str:
-    """The section as README has it now (markers included); ValueError when the markers are missing."""
-    start, end = readme.find(START), readme.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"README.md has no section between {START!r} and {END!r}")
-    return readme[start : end + len(END)]
+def _between(text: str, start_mark: str, end_mark: str, where: str) -> str:
+    start = text.find(start_mark)
+    end = text.find(end_mark, start + 1)
+    if start < 0 or end < 0:
+        raise ValueError(f"{where} has no text between {start_mark!r} and {end_mark!r}")
+    return text[start : end + len(end_mark)]
+
+
+def current(page: str) -> str:
+    """The section as docs/compatibility.md has it now (markers included); ValueError when the
+    markers are missing."""
+    return _between(page, START, END, "docs/compatibility.md")
+
+
+def current_headline(readme: str) -> str:
+    """The headline as README.md has it now (markers included); ValueError when they are missing."""
+    return _between(readme, HEADLINE_START, HEADLINE_END, "README.md")
 
 
 def main(argv: list) -> int:
-    path = ROOT / "README.md"
-    readme = path.read_text()
-    fresh = section()
-    if "--check" in argv:
-        if current(readme) != fresh:
-            print("README.md's compatibility section is out of date: run python tools/compat_section.py")
-            return 1
-        return 0
-    path.write_text(readme.replace(current(readme), fresh))
+    targets = [(PAGE, current, section()), (README, current_headline, headline())]
+    stale = []
+    for path, find, fresh in targets:
+        text = path.read_text()
+        if find(text) == fresh:
+            continue
+        stale.append(path.relative_to(ROOT).as_posix())
+        if "--check" not in argv:
+            path.write_text(text.replace(find(text), fresh))
+    if stale and "--check" in argv:
+        print(f"{' and '.join(stale)}: the compatibility figures are out of date: run python tools/compat_section.py")
+        return 1
     return 0
 
 

@@ -2,12 +2,13 @@
 
 Names are dotted paths below the package, as `surface.public_names()` gives them. One list, grouped
 by reason: tests/test_public_surface.py checks that every name here is accelerate's and is missing
-from notebook_accel, and tools/compat_section.py writes README's compatibility section from it.
+from notebook_accel, and tools/compat_section.py writes docs/compatibility.md's public-surface
+section from it.
 """
 
 from __future__ import annotations
 
-# reason key -> (the reason, as README shows it; the names)
+# reason key -> (the reason, as docs/compatibility.md shows it; the names)
 GROUPS = {
     "deepspeed": (
         "DeepSpeed (ZeRO engines, their config and wrappers): notebook_accel trains with DDP",

@@ -47,9 +47,10 @@ def run_notebook(
     """Execute the notebook at `path` (cwd: its folder). Returns (notebook, error or None);
     on a failing cell the notebook holds the outputs up to and including that cell.
 
-    `widgets=False` makes launches print rank-prefixed text (what a terminal can show) instead
-    of drawing the live panel, whose content would only be in the saved widget state. `python`
-    runs the kernel on another interpreter (a venv's), which needs ipykernel."""
+    `widgets=False` makes launches print rank-prefixed text (what a terminal can show) as they
+    go instead of drawing the live panel, whose output keeps that text only as one transcript
+    when the launch ends. `python` runs the kernel on another interpreter (a venv's), which
+    needs ipykernel."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError

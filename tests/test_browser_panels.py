@@ -72,6 +72,11 @@ def test_launch_panel_and_hardware_panel_render(jupyter_lab, browser_page, tmp_p
             timeout=20_000
         )
         long_panel.locator(f'.nacc-cpu[data-rank="{rank}"]', has_text=re.compile(r"^\d+ %$")).wait_for(timeout=20_000)
+    # The finished cell's output is the widget alone: the text/plain it carries for a saved notebook
+    # (each rank's lines, sent when the launch ended) is not drawn beside it, nor a second panel.
+    assert page.locator('[data-mime-type="text/plain"]', has_text="line 0 from rank 0").count() == 0
+    assert page.locator(".nacc-launch").count() == 2
+    panel.locator('.nacc-launch-status[data-status="done"]').wait_for(timeout=10_000)  # redrawn whole
     long_panel.scroll_into_view_if_needed()
     resources = screenshot(page, tmp_path / "panel-resources.png")
     long_panel.locator(".nacc-stop").click()

@@ -3,7 +3,9 @@
 The launcher calls handle() from its own thread, perhaps 100k lines a second, so handle() only
 records, in a LaunchModel (launch_model.py, shared with the extension's CommSink). flush() turns
 what changed into widget updates; with autoflush a daemon thread calls it `fps` times a second, so
-the front end sees at most that many updates per view. The HTML is panel_html.py's.
+the front end sees at most that many updates per view. The HTML is panel_html.py's. In a kernel
+the panel's output also carries a text/plain, the launch's transcript once it ends (transcript.py),
+for a notebook saved without its widgets.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .panel_html import (
 )
 from .progress import parse_bar
 from .style import esc, rank_color, style_tag
+from .transcript import SavedOutput, transcript
 
 STOP_REASON = "stopped from the launch panel"
 INTERRUPT_HINT = "Interrupt the kernel (■) to stop"
@@ -67,6 +70,7 @@ class LaunchPanel(Sink):
         self._render_lock = threading.RLock()  # one flush at a time
         self._control = None
         self._shown = False
+        self._output: Optional[SavedOutput] = None  # the cell's output, in a kernel
         self._flusher: Optional[threading.Thread] = None
         self._stop_flushing = threading.Event()
         self._flush_error_reported = False
@@ -95,6 +99,8 @@ class LaunchPanel(Sink):
             or (isinstance(event, ev.LaunchFinished) and not event.ok)
         ):
             self._reveal()
+        if isinstance(event, ev.LaunchFinished):
+            self._save_transcript()  # here too: a sink nobody closes
 
     def poll(self) -> None:
         """Show a waiting panel once the launch has run `show_after` seconds (the cell's thread)."""
@@ -108,6 +114,7 @@ class LaunchPanel(Sink):
             flusher.join()
         self._flusher = None
         self.flush()
+        self._save_transcript()  # lines that came after LaunchFinished
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -143,15 +150,32 @@ class LaunchPanel(Sink):
         if self.show and not self._shown:
             self._shown = True
             self.flush()
-            from IPython.display import display
-
-            display(self.widget)
+            self._display()
         if self.autoflush and (self._flusher is None or not self._flusher.is_alive()):
             self._stop_flushing = threading.Event()
             self._flusher = threading.Thread(
                 target=self._flush_loop, args=(self._stop_flushing,), name="notebook_accel-panel", daemon=True
             )
             self._flusher.start()
+
+    def _display(self) -> None:
+        from . import in_kernel
+
+        if in_kernel():
+            first = f"{self.title}: running (each rank's output is saved here when it ends)"
+            self._output = SavedOutput(self.widget, first)
+        else:  # a terminal IPython prints what it is given: the widget, as before
+            from IPython.display import display
+
+            display(self.widget)
+
+    def _save_transcript(self) -> None:
+        output = self._output
+        if output is None:
+            return
+        with self._lock:
+            text = transcript(self.model, self.title)
+        output.update(text)
 
     def _reveal(self) -> None:
         self._waiting = False

@@ -58,7 +58,8 @@ def _seconds(value: Optional[float], running: bool) -> str:
     return f"{value:.0f} s" if running else f"{value:.1f} s"
 
 
-def header_html(title: str, state: str, note: str, stopping: bool, elapsed: float, fsdp: bool = False) -> str:
+def header_text(state: str, note: str, stopping: bool, elapsed: float) -> str:
+    """The launch's state in words, as the header shows it after the title."""
     if state == "pending":
         text = "waiting for the launch"
     elif state == "running":
@@ -71,6 +72,11 @@ def header_html(title: str, state: str, note: str, stopping: bool, elapsed: floa
         text = "stopped"
     if note:
         text += f": {note}" if state in ("failed", "stopped") else f" · {note}"
+    return text
+
+
+def header_html(title: str, state: str, note: str, stopping: bool, elapsed: float, fsdp: bool = False) -> str:
+    text = header_text(state, note, stopping, elapsed)
     # What the ranks do with models, beside the title: FSDP shards them (plain data parallel says nothing).
     mode = '<span class="nacc-launch-mode" data-mode="fsdp">FSDP</span>' if fsdp else ""
     return (
@@ -126,7 +132,9 @@ def _usage_cells(rank: int, u: dict, device: bool, running: bool) -> list:
 
 def traceback_html(failure: ev.RankFailed, tail: list) -> str:
     if failure.traceback:
-        detail = failure.traceback.rstrip("\n")
+        from . import label_cells
+
+        detail = label_cells(failure.traceback.rstrip("\n"))  # `Cell In[N]`, as the cell's error says
     elif tail:
         detail = "last output:\n" + "\n".join(text for _, text in tail)
     else:

@@ -216,6 +216,14 @@ def test_fork_after_parallel_torch_gives_one_thread_and_says_why(monkeypatch, to
     assert p.threads_per_process == 4 and p.notes == ()
 
 
+def test_one_rank_runs_here_so_no_fork_note(monkeypatch, torch_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(plan_module, "_physical_cores", lambda: 8)
+    torch_threads(4)
+    p = plan(num_processes=1, start_method="fork")  # runs in the caller (starters/here.py): nothing forks
+    assert p.notes == () and p.threads_per_process == 8, p.notes
+
+
 def test_fork_with_a_single_threaded_parent_keeps_the_threads(monkeypatch, torch_threads):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(plan_module, "_physical_cores", lambda: 8)

@@ -195,7 +195,8 @@ def make_plan(
             "pickled, not inherited."
         )
     # With gpu_ids, even one rank runs in a child: the variable must be set before its runtime starts.
-    if start_method == "fork" and not (engine == "local" and num_processes == 1 and not visible):
+    runs_here = engine == "local" and num_processes == 1 and not visible
+    if start_method == "fork" and not runs_here:
         _check_fork_is_safe()
     if engine == "elastic" and rdzv_backend == "static" and num_nodes > 1 and not master_addr:
         raise LaunchConfigError(
@@ -213,7 +214,7 @@ def make_plan(
         pick=is_default(use_port) and one_machine,
         check_free=(engine == "local" and one_machine),
     )
-    threads = _threads_per_process(num_processes, start_method, notes)
+    threads = _threads_per_process(num_processes, "here" if runs_here else start_method, notes)
 
     env = {
         **_fsdp_env(config_env, fsdp),

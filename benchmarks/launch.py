@@ -10,6 +10,9 @@ after import, in a kernel" is a fresh real kernel (jupyter_client) that imported
 stays idle 5 s and launches; "NOTEBOOK_ACCEL_PREWARM=0" the same with the early start off. Those
 samples run in the same rounds as the others.
 
+A typical training function's launches (launch_training.py) follow: --training-reps, --no-training,
+--only-training.
+
     python benchmarks/launch.py [--reps 10] [--spawn-reps 3] [--prewarm-reps 5] [--json PATH]
 """
 
@@ -474,6 +477,16 @@ def kernel_markdown(in_kernels: dict) -> str:
     return "\n".join(rows)
 
 
+def training_markdown(options) -> str:
+    """The rows of launch_training.py: a typical training function, script and kernel, 2 and 4 ranks."""
+    import launch_training
+
+    with_accelerate = not options.no_accelerate and accelerate_available()
+    result = launch_training.measure(options.ranks, options.training_reps, with_accelerate)
+    head = "Launching a typical training function (model, optimizer, loader, DDP through prepare, one step)\n\n"
+    return head + launch_training.markdown(result, options.ranks)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -487,7 +500,13 @@ def main(argv=None) -> int:
     parser.add_argument("--large-result-gib", type=float, default=1.0, help="size of the large-result row")
     parser.add_argument("--large-result-reps", type=int, default=3)
     parser.add_argument("--only-large-result", action="store_true", help="measure only the large-result row")
+    parser.add_argument("--training-reps", type=int, default=3, help="fresh processes per training-launch row")
+    parser.add_argument("--no-training", action="store_true", help="skip the training-function rows")
+    parser.add_argument("--only-training", action="store_true", help="measure only the training-function rows")
     options = parser.parse_args(argv)
+    if options.only_training:
+        print(training_markdown(options))
+        return 0
     nbytes = int(options.large_result_gib * 2**30) // 4 * 4
     if options.only_large_result:
         print(large_result_markdown(measure_large_result(nbytes, options.large_result_reps), nbytes))
@@ -508,6 +527,8 @@ def main(argv=None) -> int:
     load = f"load average (1 min) {load0[0]:.2f} at the start, {os.getloadavg()[0]:.2f} after the launches"
     print(f"Launch latency ({versions}; {load})\n")
     print(markdown(result, summary, relay))
+    if not options.no_training:
+        print("\n" + training_markdown(options))
     large = {}
     if not options.no_large_result:
         large = measure_large_result(nbytes, options.large_result_reps)

@@ -50,7 +50,10 @@ CELL_TIMEOUT_S = 60
 # otherwise each import again at every launch (torch._dynamo, ~1.7 s). The tests turn the prewarm off
 # (conftest.py: it also boots a forkserver), so a file that launches gets that one import first.
 LAUNCHES = re.compile(r"notebook_launcher|debug_launcher|%%accelerate|%accelerate start|Session\(")
-PREWARM = "import torch._dynamo  # what the kernel's idle prewarm imports (off in the tests)"
+PREWARM = (
+    "from notebook_accel.launch import rank_imports\n"
+    "rank_imports.import_all(respect_opt_out=False)  # what the kernel's idle prewarm does (off in the tests)"
+)
 FORBIDDEN = ("machine kind", "../shared")  # about the machine the project is built on, or outside it
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")

@@ -60,6 +60,7 @@ SPAWN = (
 FAIL_FORK = 'notebook_launcher(flaky, args=(1,), num_processes=2, use_port="auto")'
 FAIL_SPAWN = 'notebook_launcher(flaky, args=(0,), num_processes=2, use_port="auto", start_method="spawn")'
 BAD_INPUT = 'notebook_launcher(work, args=(Accumulator(0), 0), num_processes=0)'
+UNPICKLABLE = 'import threading\nnotebook_launcher(work, args=(threading.Lock(), 0), num_processes=2, start_method="spawn")'
 WRAPPED = """\
 def main():
     return notebook_launcher(flaky, args=(1,), num_processes=2, use_port="auto")
@@ -85,7 +86,7 @@ while left() and time.monotonic() < deadline:
 print("CHILDREN", [(p.pid, p.name()) for p in left()])
 """
 
-CELLS = [SETUP, DEFINE, FORK, SPAWN, FAIL_FORK, FAIL_SPAWN, BAD_INPUT, WRAPPED, DETAIL, AGAIN, ORPHANS]
+CELLS = [SETUP, DEFINE, FORK, SPAWN, FAIL_FORK, FAIL_SPAWN, BAD_INPUT, UNPICKLABLE, WRAPPED, DETAIL, AGAIN, ORPHANS]
 LIBRARY_FRAME = re.compile(r"File .*notebook_accel|launcher\.py|monitor\.py|starters")
 
 
@@ -133,7 +134,7 @@ def test_launch_from_a_real_kernel(kernel_env):
         resources={"metadata": {"path": str(kernel_env)}},
     )
     client.execute()
-    setup, define, fork, spawn, fail_fork, fail_spawn, bad_input, wrapped, detail, again, orphans = nb.cells
+    setup, define, fork, spawn, fail_fork, fail_spawn, bad_input, unpicklable, wrapped, detail, again, orphans = nb.cells
 
     assert _error(setup) is None, _error(setup)
     assert f"EXE {sys.executable}\n" in _stdout(setup)
@@ -169,6 +170,12 @@ def test_launch_from_a_real_kernel(kernel_env):
     assert error is not None and error.ename == "LaunchConfigError", bad_input.outputs
     shown = _strip_ansi("\n".join(error.traceback))
     assert "num_processes" in shown and f"Cell In[{bad_input.execution_count}], line 1" in shown, shown
+    assert not LIBRARY_FRAME.search(shown), shown
+    # An error raised from a cause (pickling the lock): no library frame in either.
+    error = _error(unpicklable)
+    assert error is not None and error.ename == "UnpicklableError", unpicklable.outputs
+    shown = _strip_ansi("\n".join(error.traceback))
+    assert "The above exception was the direct cause" in shown and "lock" in shown.lower(), shown
     assert not LIBRARY_FRAME.search(shown), shown
     # The user's own function that called the launcher keeps its frame.
     error = _error(wrapped)

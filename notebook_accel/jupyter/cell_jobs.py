@@ -124,6 +124,7 @@ class CellFailedError(_ShownShort, LaunchFailedError):
 
     def __init__(self, error: LaunchFailedError, filename: str, label: str):
         super().__init__(list(error.reports.values()))
+        self._made_from = (error, filename, label)  # what pickle and copy rebuild it from
         self.args = (relabel_cells(str(error).replace(f'File "{filename}"', label)),)
 
 

@@ -96,4 +96,7 @@ def import_rank_modules() -> None:
 
     global rank_modules_on
     rank_modules_on = threading.current_thread().name
-    rank_imports.import_all()
+    if rank_imports.import_all(blocking=False) is None:  # a launch on another thread imports them now
+        import asyncio
+
+        asyncio.get_running_loop().call_later(DELAY_S, import_rank_modules)  # never block the loop

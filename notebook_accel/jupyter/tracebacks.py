@@ -33,13 +33,27 @@ def without_library_frames(tb):
 
 
 def render(error: BaseException) -> list:
-    """The lines IPython shows for `error` (its `_render_traceback_`). Never raises: IPython would
-    print its own complaint instead of the error."""
+    """The lines IPython shows for `error` (its `_render_traceback_`), each exception of its chain
+    (`__cause__`, `__context__`) without library frames. Never raises: IPython would print its own
+    complaint instead of the error."""
+    chain, seen, link = [], set(), error
+    while link is not None and id(link) not in seen:  # the order IPython walks it in
+        seen.add(id(link))
+        chain.append((link, link.__traceback__))
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
     try:
         from IPython import get_ipython
 
         shell = get_ipython()
-        tb = without_library_frames(error.__traceback__)
-        return shell.InteractiveTB.structured_traceback(type(error), error, tb, tb_offset=0)
-    except Exception:  # noqa: BLE001 - the plain message is better than no error at all
-        return [f"{type(error).__name__}: {error}"]
+        for link, tb in chain:
+            link.__traceback__ = without_library_frames(tb)
+        return shell.InteractiveTB.structured_traceback(type(error), error, error.__traceback__, tb_offset=0)
+    except Exception:  # noqa: BLE001 - the plain traceback, whole, is better than none
+        import traceback
+
+        for link, tb in chain:
+            link.__traceback__ = tb
+        return traceback.format_exception(type(error), error, error.__traceback__)
+    finally:
+        for link, tb in chain:  # the exception keeps every frame (`%debug`, a caller's handler)
+            link.__traceback__ = tb

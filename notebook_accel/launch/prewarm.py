@@ -28,9 +28,8 @@ def wanted() -> bool:
     if text in _OFF:
         return False
     warnings.warn(
-        f"{ENV}={value!r} is not understood, so the warm forkserver is not started early: set {ENV}=1 "
-        f"(start it when notebook_accel is imported in a kernel, the default) or {ENV}=0 (start it at "
-        "the first forkserver launch).",
+        f"{ENV}={value!r} is not understood, so nothing is prepared early (the warm forkserver, the "
+        f"modules ranks import): set {ENV}=1 (the default) or {ENV}=0 (each launch prepares what it needs).",
         stacklevel=2,
     )
     return False

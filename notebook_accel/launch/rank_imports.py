@@ -15,6 +15,8 @@ NOTEBOOK_ACCEL_PREWARM=0 (each rank then imports what its function needs).
 from __future__ import annotations
 
 import importlib
+import sys
+import threading
 import time
 
 # torch's own, lazily imported by torch.optim (its step decorator), DDP's constructor and the
@@ -24,6 +26,7 @@ TORCH_MODULES = ("torch._dynamo", "torch.profiler._cupti_monitor")
 _lent: tuple = ()
 done: list = []  # (name, seconds) for each module this process imported here, in order (tests read it)
 _tried = False
+_lock = threading.Lock()
 
 
 def lend(names) -> None:
@@ -36,29 +39,35 @@ def names() -> tuple:
     return TORCH_MODULES + _lent
 
 
-def import_all(respect_opt_out: bool = True) -> list:
+def import_all(respect_opt_out: bool = True, blocking: bool = True) -> list:
     """Import every module in `names()` once per process, on the calling thread; returns `done`.
     Call it only where a fork may follow on this thread (never from a thread of ours: a fork while
-    it held an import lock would hang the child). A module that fails to import is skipped: the rank
-    that needs it imports it again and says what failed."""
+    it held an import lock would hang the child). A second caller waits for the first to finish:
+    forking while another thread is inside `import torch._dynamo` would leave the child a module
+    half imported, its lock held by a thread the child does not have. `blocking=False` returns None
+    at once instead of waiting. A module that fails to import is skipped: the rank that needs it
+    imports it again and says what failed."""
     global _tried
-    if _tried:
-        return done
     if respect_opt_out:
         from .prewarm import wanted
 
         if not wanted():
             return done
-    _tried = True
-    import sys
-
-    for name in names():
-        if name in sys.modules:
-            continue
-        began = time.perf_counter()
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - see the docstring
-            continue
-        done.append((name, time.perf_counter() - began))
+    if not _lock.acquire(blocking):
+        return None
+    try:
+        if _tried:
+            return done
+        for name in names():
+            began = time.perf_counter()
+            fresh = name not in sys.modules
+            try:
+                importlib.import_module(name)  # waits for another thread's import of it, unlike a look
+            except Exception:  # noqa: BLE001 - see the docstring
+                continue
+            if fresh:
+                done.append((name, time.perf_counter() - began))
+        _tried = True
+    finally:
+        _lock.release()
     return done

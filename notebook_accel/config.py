@@ -8,6 +8,7 @@ raises `ConfigError` naming the file, the key and the reason.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ _KEPT = {
     "dynamo_backend": _STR,
 }
 _TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a mapping", list: "a list"}
+_SECONDS = (int, float)
 
 
 class ConfigError(ValueError):
@@ -84,6 +86,7 @@ class ClusterConfig:
     main_process_port: Optional[int] = None
     rdzv_backend: str = "static"
     max_restarts: int = 0  # ours, not accelerate's: written only when set, so accelerate can read the file
+    stall_after: Optional[float] = None  # ours too (the stall watch's seconds, 0: off); None: not set
     extra: dict = field(default_factory=dict)  # accelerate keys kept as read (see _KEPT)
     path: Optional[str] = field(default=None, compare=False)
 
@@ -108,7 +111,10 @@ class ClusterConfig:
             if value is not None and (
                 not isinstance(value, types) or (bool not in types and isinstance(value, bool))
             ):
-                wanted = " or ".join(_TYPE_NAMES[t] for t in types)
+                if types is _SECONDS:
+                    wanted = "a number of seconds (0 turns the stall watch off)"
+                else:
+                    wanted = " or ".join(_TYPE_NAMES[t] for t in types)
                 raise ConfigError(path, key, f"must be {wanted}, not {type(value).__name__} {value!r}")
             values[key] = value
         if values.get("mixed_precision") is None and values.get("fp16"):  # accelerate's older spelling
@@ -156,6 +162,11 @@ class ClusterConfig:
             )
         if self.max_restarts < 0:
             fail("max_restarts", f"{self.max_restarts} must be 0 or more")
+        stall = self.stall_after
+        if stall is not None and (
+            isinstance(stall, bool) or not isinstance(stall, _SECONDS) or not math.isfinite(stall) or stall < 0
+        ):
+            fail("stall_after", f"{stall!r} must be a number of seconds, 0 or more (0 turns the stall watch off)")
         if self.main_process_port is not None and not 1 <= self.main_process_port <= 65535:
             fail("main_process_port", f"{self.main_process_port} is outside 1..65535")
         if self.num_machines > 1 and not self.main_process_ip:
@@ -262,7 +273,7 @@ class ClusterConfig:
         out = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "path")
         }
-        for key in ("distributed_type", "num_processes", "gpu_ids"):
+        for key in ("distributed_type", "num_processes", "gpu_ids", "stall_after"):
             if out[key] is None:
                 del out[key]
         if not self.max_restarts:
@@ -303,6 +314,7 @@ _FIELD_TYPES = {
     "main_process_port": _INT,
     "rdzv_backend": _STR,
     "max_restarts": _INT,
+    "stall_after": _SECONDS,
 }
 _NULLABLE = ("distributed_type", "num_processes", "gpu_ids", "main_process_ip", "main_process_port")
 

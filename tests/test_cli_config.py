@@ -181,6 +181,7 @@ def test_default_writes_a_config_for_this_machine(tmp_path):
     else:
         assert config.use_cpu and config.num_processes == 1 and config.distributed_type == "NO"
     assert not (tmp_path / "default_config.yaml").exists()  # --config_file wrote elsewhere
+    assert "stall_after" not in target.read_text()  # our own key, written only when set
 
 
 @pytest.mark.timeout(60)
@@ -208,6 +209,7 @@ def test_every_command_has_help_and_bad_arguments_exit_2_with_usage(tmp_path):
         ["config", "--no-such-flag"],
         ["merge-weights", str(tmp_path)],  # no output path
         ["launch", "--fsdp_version", "1", "x.py"],
+        ["launch", "--stall_after", "1m", "x.py"],
         ["frobnicate"],
     ]
     for argv in cases:

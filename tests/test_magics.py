@@ -93,6 +93,8 @@ FORK_DEFAULTS = {"num_processes": None, "start_method": "fork", "timeout": None}
         ("--port 29512", {"use_port": "29512"}, False),
         ("--timeout 2.5", {"timeout": 2.5}, False),
         ("--timeout 30", {"timeout": 30.0}, False),
+        ("--stall-after 0", {"stall_after": 0.0}, False),  # 0: the stall watch off
+        ("--stall-after 2.5", {"stall_after": 2.5}, False),
         ("--out model,losses", {}, False),  # not a launcher argument: the job returns them
         (
             "-n 2 --start-method spawn --mixed-precision bf16 --cpu --port auto --timeout 9 --max-restarts 2",
@@ -146,6 +148,8 @@ def test_no_n_keeps_the_launchers_own_default():
         ("--mixed-precision fp12", "--mixed-precision: invalid choice: 'fp12'"),
         ("--timeout 0", "--timeout: must be a number of seconds > 0, got '0'"),
         ("--timeout soon", "--timeout: must be a number of seconds > 0, got 'soon'"),
+        ("--stall-after 1m", "--stall-after: '1m' is not a number: write a number of seconds, 0 to turn"),
+        ("--stall-after -1", "--stall-after: '-1' is negative: write a number of seconds"),
         ("--out 1x,y", "--out: must be comma-separated variable names, got '1x,y'"),
         ("--ranks 0", "--ranks needs a running session"),
         ("-n 2 --bogus", "unrecognized arguments: --bogus"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from ..launch import stall_settings
+
 
 def whole(text: str) -> int:
     try:
@@ -38,6 +40,14 @@ def positive_seconds(text: str) -> float:
     if not value > 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
+
+
+def stall_seconds(text: str) -> float:
+    """--stall-after: seconds without progress before the stall watch speaks; 0 turns it off."""
+    try:
+        return stall_settings.seconds(text)
+    except ValueError as exc:  # worded as the launch's own error, which names its source
+        raise argparse.ArgumentTypeError(f"{text!r} {exc}: {stall_settings.HOW}") from None
 
 
 def port(text: str) -> str:

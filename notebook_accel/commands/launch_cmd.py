@@ -15,7 +15,7 @@ import sys
 import traceback
 
 from .. import config as cfg
-from .args import non_negative, port, positive, positive_seconds
+from .args import non_negative, port, positive, positive_seconds, stall_seconds
 
 
 def add_arguments(p) -> None:
@@ -50,6 +50,15 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--max_restarts", type=non_negative, default=None, help="restart the group this often on failure"
+    )
+    p.add_argument(
+        "--stall_after",
+        "--stall-after",
+        dest="stall_after",
+        type=stall_seconds,
+        default=None,
+        metavar="S",
+        help="say so when no rank has made progress for S seconds (default: the config's, else 60; 0: off)",
     )
     p.add_argument(
         "--monitor_interval", type=positive_seconds, default=0.1, help="seconds between health checks"
@@ -151,6 +160,7 @@ def _launch_kwargs(args: argparse.Namespace, config) -> dict:
         "gpu_ids": args.gpu_ids,
         "debug": args.debug,
         "max_restarts": args.max_restarts,
+        "stall_after": args.stall_after,
     }
     out.update({k: v for k, v in given.items() if v is not None})
     fsdp = _fsdp_setting(args)

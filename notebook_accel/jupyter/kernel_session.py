@@ -110,16 +110,34 @@ class _Session(Session):
 
 
 class KernelSession:
-    def __init__(self, shell, num_processes: int, start_method: str, mixed_precision, cpu, fsdp=None, gpu_ids=None):
+    def __init__(
+        self,
+        shell,
+        num_processes: int,
+        start_method: str,
+        mixed_precision,
+        cpu,
+        fsdp=None,
+        gpu_ids=None,
+        stall_after=None,
+    ):
         self.id = next(_ids)
         self.shell = shell
         self.queue = OutputQueue()
         self.session = _Session(
-            num_processes, start_method, mixed_precision, cpu, on_output=self._on_output, fsdp=fsdp, gpu_ids=gpu_ids
+            num_processes,
+            start_method,
+            mixed_precision,
+            cpu,
+            on_output=self._on_output,
+            fsdp=fsdp,
+            gpu_ids=gpu_ids,
+            stall_after=stall_after,
         )
         self.session.owner = self
         self.session.tick = self._pump
         self.session.on_stranded = self._stranded
+        self.session.on_stall = self._stall
         self.cell: Optional[CellEvents] = None  # the running cell's events; main thread only
 
     @property
@@ -143,8 +161,15 @@ class KernelSession:
         if cell is not None:  # the waiting (main) thread: the panel says it, as a launch's notice
             cell.sink.handle(LaunchNotice(stranded_text(failed, running)))
 
+    def _stall(self, event) -> None:
+        cell = self.cell
+        if cell is not None:  # the waiting (main) thread: the cell's panel (or console) shows it
+            cell.sink.handle(event)
+
     # -- a cell on the workers ------------------------------------------------------------------
-    def run_cell(self, source: str, ranks=None, timeout: Optional[float] = None, out: tuple = ()) -> None:
+    def run_cell(
+        self, source: str, ranks=None, timeout: Optional[float] = None, out: tuple = (), stall_after=None
+    ) -> None:
         pids = self.session.pids()
         world = len(pids) or (self.session.num_processes or 0)
         targets = parse_ranks(ranks, world)
@@ -158,7 +183,9 @@ class KernelSession:
         cell = self.cell = CellEvents(sink, targets, world, pids, fsdp=self.session.fsdp_on)
         self._pump()  # output that arrived between cells belongs to no cell: show it here
         try:
-            replies = self.session.run_cell(source, filename, ranks=targets, timeout=timeout)
+            replies = self.session.run_cell(
+                source, filename, ranks=targets, timeout=timeout, stall_after=stall_after
+            )
         except KeyboardInterrupt:
             self._end(cell, {}, "interrupted")
             raise
@@ -236,14 +263,21 @@ def _failure_text(replies: dict, failed: tuple, filename: str, label: str) -> st
 
 # -- %accelerate start/stop/... -------------------------------------------------------------------
 def start(
-    shell, num_processes: int, start_method: str, mixed_precision, cpu, fsdp=None, gpu_ids=None
+    shell,
+    num_processes: int,
+    start_method: str,
+    mixed_precision,
+    cpu,
+    fsdp=None,
+    gpu_ids=None,
+    stall_after=None,
 ) -> KernelSession:
     global _current
     if _current is not None:
         raise RuntimeError(
             f"a session with {_current.world} workers is running: %accelerate restart, or %accelerate stop first"
         )
-    ks = KernelSession(shell, num_processes, start_method, mixed_precision, cpu, fsdp, gpu_ids)
+    ks = KernelSession(shell, num_processes, start_method, mixed_precision, cpu, fsdp, gpu_ids, stall_after)
     ks.session.start()
     _current = ks
     _notify(ks)

@@ -12,6 +12,8 @@ from typing import Optional
 from ..launch import events as ev
 from ..launch.lines import cut
 
+STALLED = "stalled: "  # a rank's detail while the watch reports a stall
+
 # A line, whole or transient, is kept and shown cut to this: a data dump (lines.py passes up to
 # 256 KiB of a stream with no newline) is not read in a log, and a view resends its text per draw.
 SHOWN_LINE = 4 << 10
@@ -137,6 +139,7 @@ class LaunchModel:
         self.stop_requested = False
         self.fsdp = bool(started and started.fsdp)
         self.failures: list = []
+        self.stall = None  # the stall going on (launch/stall.py StallReport), until a rank moves
         self.all = Log(self.max_lines, self.view_bytes)  # (rank, stream, text)
         self.ranks: dict = {}
         self.layout += 1
@@ -226,11 +229,33 @@ class LaunchModel:
                 r.end("stopped", event.reason)
         elif isinstance(event, ev.LaunchNotice):
             self.note = self.notice = event.text
+        elif isinstance(event, ev.LaunchStalled):
+            self._stalled(event.report)
+        elif isinstance(event, ev.LaunchResumed):
+            self._stalled(None)
         elif isinstance(event, ev.LaunchFinished):
             self._finished(event)
 
+    def _stalled(self, report) -> None:
+        """Mark the ranks of a stall (`detail` "stalled: ..."), its sentence as the note; None clears."""
+        if self.stall is not None and self.note == self.stall.sentence:
+            self.note = ""
+        for r in self.ranks.values():
+            if r.state == "running" and r.detail.startswith(STALLED):
+                r.detail = ""
+        self.stall = report
+        if report is None:
+            return
+        self.note = report.sentence
+        for where in report.ranks:
+            r = self.ranks.get(where.rank)
+            if r is not None and r.state == "running":
+                r.detail = f"{STALLED}{where.doing().split(' at ', 1)[0]}"
+
     def _finished(self, event: ev.LaunchFinished) -> None:
         self.seconds = event.seconds
+        if self.stall is not None and self.note == self.stall.sentence:
+            self.note = ""  # the failure or the stop says what ended it; the report stays in `stall`
         if event.stopped:
             self.state, self.note = "stopped", event.stopped
         elif event.ok:

@@ -11,6 +11,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..commands.args import positive as _positive
 from ..commands.args import positive_seconds as _seconds
+from ..commands.args import stall_seconds as _stall
 from ..commands.args import whole as _int
 from ..launch.errors import LaunchConfigError
 from ..session.errors import SessionError
@@ -32,6 +33,9 @@ LAUNCH_ONLY = (
     "port",
     "gpu_ids",
 )
+
+
+_STALL_HELP = "say so when no rank made progress for S seconds (0: off; default: $NOTEBOOK_ACCEL_STALL_AFTER, the config's, else 60)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,6 +72,7 @@ def cell_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", default=None, help='the rendezvous port (default: a free one)')
     p.add_argument("--gpu-ids", default=None, help='the devices the ranks see, like "0,2" (default: all)')
     p.add_argument("--timeout", type=_seconds, default=None, help="stop every rank and fail after this long")
+    p.add_argument("--stall-after", type=_stall, default=None, metavar="S", help=_STALL_HELP)
     p.add_argument("--out", type=_names, default=(), help="names to copy from rank 0 into the notebook")
     p.add_argument("--ranks", default=None, help='with a session: the ranks to run on ("0,2", "1:", "all")')
     return p
@@ -81,6 +86,7 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="FSDP on in the workers (settings from the config)")
     p.add_argument("--gpu-ids", default=None, help='the devices the workers see, like "0,2" (default: all)')
+    p.add_argument("--stall-after", type=_stall, default=None, metavar="S", help="for every cell: " + _STALL_HELP)
     return p
 
 
@@ -94,6 +100,7 @@ def launch_kwargs(args: argparse.Namespace) -> dict:
         "max_restarts": args.max_restarts,
         "use_port": args.port,
         "gpu_ids": args.gpu_ids,
+        "stall_after": args.stall_after,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if args.rdzv_endpoint:
@@ -131,7 +138,9 @@ class AccelerateMagics(Magics):
                     f"with {running.world} workers is running: %accelerate stop first, or leave them out."
                 )
             try:
-                return running.run_cell(cell, ranks=args.ranks, timeout=args.timeout, out=args.out)
+                return running.run_cell(
+                    cell, ranks=args.ranks, timeout=args.timeout, out=args.out, stall_after=args.stall_after
+                )
             except ValueError as exc:  # a bad --ranks
                 raise UsageError(f"%%accelerate: {exc}") from None
         if args.ranks is not None:
@@ -220,6 +229,7 @@ class AccelerateMagics(Magics):
                 True if args.cpu else None,
                 True if args.fsdp else None,
                 args.gpu_ids,
+                stall_after=args.stall_after,
             )
         except (RuntimeError, LaunchConfigError) as exc:
             raise UsageError(f"%accelerate start: {exc}") from None

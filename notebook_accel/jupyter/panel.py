@@ -25,6 +25,7 @@ from .panel_html import (
     current_lines,
     header_html,
     line_html,
+    stall_html,
     status_html,
     traceback_html,
     view_html,
@@ -313,6 +314,7 @@ class LaunchPanel(Sink):
             "current": [(r.rank, stream, text) for r in ranks for stream, text in sorted(r.current.items())],
             "bars": {r.rank: (r.bar_text, r.bar_final) for r in ranks if r.bar_text is not None},
             "failures": failures,
+            "stall": m.stall,
         }
 
     def _draw(self, snap: dict) -> None:
@@ -344,7 +346,8 @@ class LaunchPanel(Sink):
         states = {row[0]: row[2] for row in snap["rows"]}
         for rank, seen in snap["bars"].items():
             self._draw_bar(rank, seen, states.get(rank))
-        _set(self.traceback, "value", "".join(traceback_html(f, tail) for f, tail in snap["failures"]))
+        failures = "".join(traceback_html(f, tail) for f, tail in snap["failures"])
+        _set(self.traceback, "value", stall_html(snap["stall"]) + failures)
         # The launch's state last: a front end that shows "done" already shows the rest.
         state, note, stopping = snap["launch"]
         _set(self.stop_button, "disabled", state != "running" or stopping)

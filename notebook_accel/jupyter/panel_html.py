@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from ..launch import events as ev
 from ..launch.oom import human_bytes
+from .cell_jobs import relabel_cells  # here, not on first use: the panel draws on a thread of ours
 from .progress import ANSI, parse_bar
 from .style import esc, rank_color
 
@@ -100,7 +102,8 @@ def status_html(rows: list) -> str:
         cells = [
             f'<span class="nacc-prefix" style="color:{rank_color(rank)}">{rank}</span>',
             "" if pid is None else str(pid),
-            f'<span class="nacc-status" data-rank="{rank}" data-status="{state}">{esc(label)}</span>',
+            f'<span class="nacc-status" data-rank="{rank}" data-status="{state}"'
+            f'{_stalled_attr(detail)}>{esc(label)}</span>',
             _seconds(elapsed, state == "running"),
         ]
         cells += _usage_cells(rank, usage, device, state == "running")
@@ -132,8 +135,6 @@ def _usage_cells(rank: int, u: dict, device: bool, running: bool) -> list:
 
 def traceback_html(failure: ev.RankFailed, tail: list) -> str:
     if failure.traceback:
-        from . import label_cells
-
         detail = label_cells(failure.traceback.rstrip("\n"))  # `Cell In[N]`, as the cell's error says
     elif tail:
         detail = "last output:\n" + "\n".join(text for _, text in tail)
@@ -144,3 +145,25 @@ def traceback_html(failure: ev.RankFailed, tail: list) -> str:
         f'<div class="nacc-traceback" data-rank="{failure.rank}">'
         f'<div class="nacc-traceback-summary">{esc(failure.summary())}</div>{pre}</div>'
     )
+
+
+def _stalled_attr(detail: str) -> str:
+    return ' data-stalled="1"' if detail.startswith("stalled: ") else ""
+
+
+def stall_html(report) -> str:
+    """The watch's report below the rank table: the sentence, then each rank's stacks, folded."""
+    if report is None:
+        return ""
+    body = report.text(label_cells)
+    return (
+        f'<div class="nacc-stall" data-stalled="{int(report.stalled)}">'
+        f'<div class="nacc-stall-sentence">{esc(report.sentence)}</div>'
+        f"<details><summary>where each rank is</summary><pre>{esc(body)}</pre></details></div>"
+    )
+
+
+def label_cells(text: str) -> str:
+    """Notebook files named `Cell In[N]`, as IPython names them (in a kernel)."""
+    return relabel_cells(text) if "ipykernel" in sys.modules else text
+

@@ -65,6 +65,16 @@ CSS = f"""
   margin: 0.3em 0 0; max-height: 24em; overflow: auto; background: transparent; color: inherit;
   font-family: {CODE_FONT}; font-size: var(--jp-code-font-size, 12px); white-space: pre-wrap;
 }}
+.nacc-launch [data-stalled="1"] {{ color: {WARN}; font-weight: 600; }}
+.nacc-stall {{
+  box-sizing: border-box; margin: 0.4em 0; padding: 0.4em 0.6em; line-height: 1.4;
+  border: 1px solid {WARN}; border-left-width: 4px; border-radius: 2px;
+}}
+.nacc-stall-sentence {{ color: {WARN}; font-weight: 600; }}
+.nacc-stall pre {{
+  margin: 0.3em 0 0; max-height: 24em; overflow: auto; background: transparent; color: inherit;
+  font-family: {CODE_FONT}; font-size: var(--jp-code-font-size, 12px); white-space: pre-wrap;
+}}
 .nacc-section {{ font-weight: 600; margin: 0.7em 0 0.1em; }}
 .nacc-bar {{
   display: inline-block; width: 12em; height: 0.8em; vertical-align: middle; margin-right: 0.5em;

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections import Counter
 
-from .panel_html import current_lines, header_text
+from .panel_html import current_lines, header_text, label_cells
 from .progress import ANSI
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -35,6 +35,8 @@ def transcript(model, title: str) -> str:
         lines.append(f"… {m.all.dropped:,} earlier {noun} dropped ({per_rank})")
     lines += [f"[rank {rank}] {_plain(text)}" for rank, _, text in m.all.items]
     lines += [f"[rank {r.rank}] {_plain(text)}" for r in m.sorted_ranks() for text in current_lines(r)]
+    if m.stall is not None:  # the watch's last report, while the stall lasted or when it ended the run
+        lines += ["", f"notebook_accel: {m.stall.text(_label)}"]
     for failure in m.failures:
         if failure.traceback:
             text = _plain(_label(failure.traceback.rstrip("\n")))
@@ -49,8 +51,6 @@ def _plain(text: str) -> str:
 
 
 def _label(text: str) -> str:
-    from . import label_cells
-
     return label_cells(text)
 
 

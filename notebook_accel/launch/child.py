@@ -47,11 +47,23 @@ def _take_over_stdio(out_fd: int, err_fd: int) -> None:
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
 
 
-def _prepare_process(env: dict, threads: int) -> None:
+def _prepare_process(env: dict, threads: int, inherited_group: bool = False) -> None:
+    if inherited_group:
+        # make_plan refuses such a fork; this is a plan made before the group existed.
+        from .errors import LaunchConfigError
+
+        raise LaunchConfigError(
+            "this rank was forked from a process in a torch.distributed process group (created after the "
+            "launch was planned), which it can neither use nor close; launch with start_method='forkserver' "
+            "or 'spawn', or before the group exists."
+        )
     os.environ.update(env)
     import torch
 
     torch.set_num_threads(threads)
+    from . import watch_rank
+
+    watch_rank.start()  # the launcher's watch reads this rank's stacks and collectives through it
     from .. import state
 
     # A forked child inherits the parent's resolved state; this process is a different rank.
@@ -78,6 +90,7 @@ def _error_report(exc: BaseException) -> dict:
 def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
     """Run one rank; `load()` returns (function, args). Returns the process exit code."""
     out_fd, err_fd, ctrl_fd = fds
+    inherited = _group_exists()  # forked from a process in a group: its group, never ours to close
     _die_with_parent()
     kernel_streams = (sys.stdout, sys.stderr)
     _take_over_stdio(out_fd, err_fd)
@@ -86,10 +99,14 @@ def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
     os.close(err_fd)
     ctrl = socket.socket(fileno=ctrl_fd)
     try:
-        return run_function(rank, ctrl, lambda: _prepare_process(env, threads), load)
+        return run_function(rank, ctrl, lambda: _prepare_process(env, threads, inherited), load)
     finally:
         flush_output()
-        _destroy_group()
+        if not inherited:
+            _destroy_group()
+        from . import watch_rank
+
+        watch_rank.stop()
         ctrl.close()
 
 
@@ -143,11 +160,20 @@ def flush_output() -> None:
 _libc = None
 
 
-def _destroy_group() -> None:
+def _group_exists() -> bool:
     dist = sys.modules.get("torch.distributed")
     try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        return dist is not None and dist.is_available() and dist.is_initialized()
+    except Exception:
+        return False
+
+
+def _destroy_group() -> None:
+    """Close the group this rank created. Never call it in a rank that inherited one: the group's
+    threads stayed in the parent, so tearing it down here hangs (and would close the parent's links)."""
+    try:
+        if _group_exists():
+            sys.modules["torch.distributed"].destroy_process_group()
     except Exception:
         pass
 

@@ -46,7 +46,11 @@ class LaunchFailedError(_ShownByFrontEnd, ChildFailedError):
             failure.timestamp = int(time.time())
             failures[report.rank] = failure
         super().__init__(name, failures)
+        self._made_from = (list(reports), name)
         self.args = (format_failures(reports),)
+
+    def __reduce__(self):  # args holds the message: pickle and copy rebuild from the reports
+        return (type(self), self._made_from, self.__dict__)
 
     def __str__(self) -> str:
         return self.args[0]
@@ -59,13 +63,20 @@ class NodesMissingError(_ShownByFrontEnd, TimeoutError):
 class LaunchStoppedError(_ShownByFrontEnd, RuntimeError):
     """The launch was ended from outside (Stop button, `timeout`); every rank was stopped."""
 
-    def __init__(self, reason: str, reports: list = ()):
+    def __init__(self, reason: str, reports: list = (), stall=None):
         self.reason = reason
         self.reports = {r.rank: r for r in reports}
+        self.stall = stall  # the last stall report (launch/stall.py) of the launch, if it stalled
         text = f"launch stopped: {reason}; every rank was stopped"
         if reports:
             text += "\n" + format_failures(list(reports))
+        if stall is not None:
+            text += f"\nwhat the watch saw before: {stall.sentence}"
         super().__init__(text)
+        self._made_from = (reason, list(reports), stall)
+
+    def __reduce__(self):
+        return (type(self), self._made_from, self.__dict__)
 
 
 class LaunchTimeoutError(LaunchStoppedError, TimeoutError):

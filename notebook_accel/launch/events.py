@@ -127,3 +127,16 @@ class LaunchFinished:
     seconds: float
     failed_ranks: tuple = field(default_factory=tuple)
     stopped: str = ""
+
+
+@dataclass(frozen=True)
+class LaunchStalled:
+    """No rank made progress (output, a return, a completed collective) for `report.seconds`:
+    `report` (launch/stall.py StallReport) says where each rank is. The launch goes on."""
+
+    report: object
+
+
+@dataclass(frozen=True)
+class LaunchResumed:
+    """A rank moved again after a LaunchStalled."""

@@ -36,6 +36,7 @@ def notebook_launcher(
     timeout: Optional[float] = None,
     fsdp=None,
     gpu_ids=None,
+    stall_after: Optional[float] = None,
 ) -> list:
     """Run `function(*args)` on `num_processes` processes; return each local rank's return value.
 
@@ -54,6 +55,8 @@ def notebook_launcher(
     Several ranks on the CPU (no accelerator, or `cpu=True`) get ACCELERATE_USE_CPU=1 unless it is set
     here already, so Hugging Face's own accelerate in them (transformers' Trainer, `Accelerator()`)
     forms one MULTI_CPU job too; its bare `PartialState()` reads only its `cpu` argument.
+    `stall_after` (seconds, 0 off) is how long no rank may make progress before you are told; None
+    means $NOTEBOOK_ACCEL_STALL_AFTER, else the config's `stall_after`, else 60.
     """
     if not callable(function):
         raise TypeError(
@@ -79,6 +82,7 @@ def notebook_launcher(
         cpu=cpu,
         fsdp=fsdp,
         gpu_ids=gpu_ids,
+        stall_after=stall_after,
     )
     control = LaunchControl(timeout)
     for note in plan.notes:

@@ -4,6 +4,7 @@ stop the other ranks when one fails, and collect results. Single-threaded, drive
 from __future__ import annotations
 
 import dataclasses
+import re
 import selectors
 import signal
 import time
@@ -13,6 +14,7 @@ from . import events as ev
 from .channel import RankChannel
 from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, failure_from_exit
 from .resources import ResourceSampler
+from .watch import Watch
 
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_GRACE_S = 2.0  # after a rank exits, wait this long for a grandchild that still holds its stdout
@@ -49,6 +51,9 @@ class Monitor:
         self.killed = False
         self.server_lost = False
         self.resources = ResourceSampler({})
+        from . import frontend
+
+        self.watch = Watch(getattr(plan, "stall_after", 0.0), time.monotonic(), frontend.label_traceback)
         for p in procs:
             self._add(p)
         # A gate hands over ranks as they appear (xmp.spawn's, starters/xla.py): `sock` is readable
@@ -101,7 +106,7 @@ class Monitor:
                 r.proc.close()
         if self.stopped and not self.failures:
             kind = LaunchTimeoutError if self.control.timed_out else LaunchStoppedError
-            raise kind(self.stopped)
+            raise kind(self.stopped, stall=self.watch.last_report)
         if self.failures:
             # A transport error on a rank whose peer died is a symptom; put root causes first.
             ordered = sorted(
@@ -147,6 +152,10 @@ class Monitor:
             if not r.done:
                 self._maybe_finish(r, now)
         self._check_group(now)
+        if self.stop_sent_at is None:
+            live = [(r.rank, r.proc.pid, r.channel.result is not None) for r in self.ranks if not r.reported]
+            for event in self.watch.tick(now, live):
+                self.sink.handle(event)
         if self.stop_sent_at is not None and not self.killed and now - self.stop_sent_at > STOP_GRACE_S:
             self._signal_all(signal.SIGKILL)
             self.killed = True
@@ -157,6 +166,9 @@ class Monitor:
             return
         if stream not in r.channel.open:
             self.sel.unregister(sock)
+        if events:
+            for event in self.watch.progress(time.monotonic()):  # output or a result: the rank moves
+                self.sink.handle(event)
         for event in events:
             self.sink.handle(event)
 
@@ -202,7 +214,11 @@ class Monitor:
             if code == -signal.SIGKILL:  # not our own: a rank we stopped was reported above
                 oom, note = self.resources.oom(r.rank, peak_rss)
                 failure = dataclasses.replace(failure, oom=oom, memory_note=note)
-        if self.stop_sent_at is not None and error is not None and _is_peer_fallout(error):
+        returned = sorted(o.rank for o in self.ranks if o is not r and o.channel.result is not None)
+        if error is not None and _is_peer_fallout(error) and returned and not self.failures:
+            # Not a crash: a peer finished the function while this rank still waited in a collective.
+            failure = dataclasses.replace(failure, exc_type=None, message=_left_behind(error, returned))
+        elif self.stop_sent_at is not None and error is not None and _is_peer_fallout(error):
             self.sink.handle(ev.RankStopped(r.rank, failure.summary()))
             return
         self.failures.append(failure)
@@ -276,4 +292,15 @@ def _is_peer_fallout(error: dict) -> bool:
     text = f"{error.get('exc_type', '')} {error.get('message', '')}"
     return any(
         s in text for s in ("Connection closed by peer", "Connection reset by peer", "DistBackendError")
+    )
+
+
+def _left_behind(error: dict, returned: list) -> str:
+    ops = re.findall(r"torch[/\\]distributed[/\\]distributed_c10d\.py\", line \d+, in (\w+)", error.get("traceback", ""))
+    op = ops[-1] if ops else "a collective"
+    who = f"rank {returned[0]}" if len(returned) == 1 else "ranks " + ", ".join(map(str, returned))
+    return (
+        f"it was still in {op} when {who} returned from the function, so that collective could never complete: "
+        f"every rank must run the same collectives in the same order. No rank crashed: the transport error in "
+        f"the traceback only says that {who} left"
     )

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from ..utils import families
-from . import ports
+from . import limits, ports, stall_settings
 from .errors import LaunchConfigError
+from .limits import MANY_PROCESSES_ENV, PROCESSES_PER_CORE  # noqa: F401  (their old home)
 from .ports import free_port  # noqa: F401  (its old home: tests, tools and benchmarks import it here)
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -70,6 +71,7 @@ class LaunchPlan:
     rdzv_conf: dict = field(default_factory=dict)
     rdzv_id: str = "none"
     max_restarts: int = 0
+    stall_after: float = stall_settings.DEFAULT_STALL_AFTER  # seconds without progress; 0: off
     monitor_interval: float = 0.1
     log_line_prefix_template: Optional[str] = None
     threads_per_process: int = 1
@@ -127,6 +129,7 @@ def make_plan(
     gpu_ids: Optional[str] = None,
     config_file: Optional[str] = None,
     fsdp=None,
+    stall_after=None,
 ) -> LaunchPlan:
     from .. import hardware
     from ..placement import several_on_cpu
@@ -137,7 +140,8 @@ def make_plan(
     notes = []
     arguments = locals()
     # The config file fills in what the caller left out.
-    chosen, config_env = _with_config(config_file, notes, {name: arguments[name] for name in _CONFIGURABLE})
+    chosen, config_env, config = _with_config(config_file, notes, {n: arguments[n] for n in _CONFIGURABLE})
+    stall_after = stall_settings.resolve_stall_after(stall_after, config)  # env beats the config
     num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes, cpu = (
         chosen[name] for name in _CONFIGURABLE[:7]
     )
@@ -176,7 +180,7 @@ def make_plan(
         num_processes = _default_num_processes(devices, engine, notes)
     num_processes = _positive_int("num_processes", num_processes)
     if engine != "xla":
-        _check_process_count(num_processes, hardware.physical_cores())
+        limits.check_process_count(num_processes, hardware.physical_cores())
     if devices and num_processes > devices:
         raise LaunchConfigError(
             f"num_processes={num_processes} but only {devices} {family} device(s) are visible: use at most "
@@ -198,6 +202,7 @@ def make_plan(
     runs_here = engine == "local" and num_processes == 1 and not visible
     if start_method == "fork" and not runs_here:
         _check_fork_is_safe()
+        limits.check_no_group_to_fork()  # a rank launching again: its ranks would inherit its group
     if engine == "elastic" and rdzv_backend == "static" and num_nodes > 1 and not master_addr:
         raise LaunchConfigError(
             "num_nodes > 1 with rdzv_backend='static' needs master_addr (the node-0 address)."
@@ -219,6 +224,7 @@ def make_plan(
     env = {
         **_fsdp_env(config_env, fsdp),
         LAUNCHER_ENV: "1",
+        limits.OUTER_LAUNCHES_ENV: limits.for_ranks(num_processes),  # a launch inside a rank counts these
         MIXED_PRECISION_ENV: mixed_precision,
         "OMP_NUM_THREADS": str(threads),
         "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
@@ -249,6 +255,7 @@ def make_plan(
         rdzv_conf=dict(rdzv_conf or {}),
         rdzv_id=str(rdzv_id),
         max_restarts=max_restarts,
+        stall_after=stall_after,
         monitor_interval=float(monitor_interval),
         log_line_prefix_template=log_line_prefix_template,
         threads_per_process=threads,
@@ -292,34 +299,6 @@ def _int(name: str, value) -> int:
         ) from None
 
 
-MANY_PROCESSES_ENV = "NOTEBOOK_ACCEL_MANY_PROCESSES"  # "1": launch more than PROCESSES_PER_CORE
-PROCESSES_PER_CORE = 64  # past this a launch is a typo (10000 for 100), not a plan
-FDS_PER_RANK = 5  # the parent holds three sockets and a pidfd per rank, a session one more
-
-
-def _check_process_count(num_processes: int, cores: int) -> None:
-    """Refuse a count this process cannot start, before forking a few thousand processes."""
-    ceiling = PROCESSES_PER_CORE * cores
-    if num_processes > ceiling and os.environ.get(MANY_PROCESSES_ENV) != "1":
-        raise LaunchConfigError(
-            f"num_processes={num_processes} is more than {PROCESSES_PER_CORE} per CPU core here ({cores} "
-            f"cores, so at most {ceiling}). Check the number; to launch that many anyway, set "
-            f"{MANY_PROCESSES_ENV}=1."
-        )
-    try:
-        import resource
-    except ImportError:  # Windows: no such limit to check
-        return
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = FDS_PER_RANK * num_processes + 64
-    if soft != resource.RLIM_INFINITY and needed > soft:
-        raise LaunchConfigError(
-            f"num_processes={num_processes} needs about {needed} open files in this process, and its limit "
-            f"is {soft}: raise it (`ulimit -n {needed}` before starting Python or Jupyter, or "
-            f"resource.setrlimit(resource.RLIMIT_NOFILE, ...)), or launch fewer processes."
-        )
-
-
 def _positive_int(name: str, value) -> int:
     number = _int(name, value)
     if number < 1:
@@ -354,12 +333,12 @@ _CONFIGURABLE = (
 )
 
 
-def _with_config(config_file, notes: list, given: dict) -> dict:
+def _with_config(config_file, notes: list, given: dict) -> tuple:
     """`given` ({name in _CONFIGURABLE: value}), with the config's values where the caller chose none;
-    and the variables the config sets for every rank (FSDP's)."""
+    the variables the config sets for every rank (FSDP's); and the config itself (or None)."""
     config = _load_config(config_file)
     if config is None:
-        return given, {}
+        return given, {}, None
     values = dict(given)
     taken = {k: v for k, v in config.launch_defaults().items() if is_default(values[k])}
     shown = [
@@ -368,7 +347,7 @@ def _with_config(config_file, notes: list, given: dict) -> dict:
     if shown:
         notes.append(f"notebook_accel: from {config.path}: {', '.join(shown)}")
     values.update(taken)
-    return values, config.launch_env()
+    return values, config.launch_env(), config
 
 
 def _fsdp_env(config_env: dict, fsdp) -> dict:

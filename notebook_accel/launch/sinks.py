@@ -47,6 +47,10 @@ class ConsoleSink(Sink):
             sys.stderr.write(f"[rank {event.rank}] FAILED: {event.summary()}\n")
         elif isinstance(event, ev.LaunchNotice):
             sys.stderr.write(f"notebook_accel: {event.text}\n")
+        elif isinstance(event, ev.LaunchStalled):
+            sys.stderr.write(f"notebook_accel: {event.report.text()}\n")
+        elif isinstance(event, ev.LaunchResumed):
+            sys.stderr.write("notebook_accel: the ranks moved again\n")
         elif self.show_lifecycle and isinstance(event, ev.RankStarted):
             sys.stdout.write(f"[rank {event.rank}] started (pid {event.pid})\n")
 

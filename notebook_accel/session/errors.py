@@ -30,13 +30,16 @@ class WorkerDied(SessionError):
 class SessionTimeout(SessionError, TimeoutError):
     """run_cell(timeout=...) ran out: the ranks were interrupted; `replies` holds their answers."""
 
-    def __init__(self, timeout: float, replies: dict, killed: list = ()):
+    def __init__(self, timeout: float, replies: dict, killed: list = (), stall=None):
         self.timeout = timeout
         self.replies = dict(replies)
         self.killed = list(killed)
+        self.stall = stall  # the stall watch's last report of the cell, if it stalled (launch/stall.py)
         text = f"cell timed out after {timeout:g} s; the ranks were interrupted"
         if self.killed:
             text += f", and ranks {self.killed} did not stop and were killed"
+        if stall is not None:
+            text += f"\nwhat the watch saw before: {stall.sentence}"
         super().__init__(text)
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from ..launch.stall_settings import resolve_stall_after
 from .errors import CellError, SessionError, SessionNotStarted, SessionTimeout
 from .pool import Request, WorkerPool, cell_reply
 from .processes import reap
@@ -41,7 +42,12 @@ class Session:
         on_output: Optional[Callable] = None,
         fsdp=None,
         gpu_ids=None,
+        stall_after=None,
     ):
+        # Checked here, before any worker starts; start() adds the config file's value (make_plan's).
+        self._stall_after = stall_after
+        # Seconds without progress before a cell's stall watch speaks (0.0: off); run_cell may override.
+        self.stall_after = resolve_stall_after(stall_after)
         self.num_processes = num_processes
         self.gpu_ids = gpu_ids  # the devices the workers see ("0,2"), as make_plan takes it
         self.start_method = start_method
@@ -54,6 +60,8 @@ class Session:
         # (failed ranks, ranks still running): a cell failed on some ranks STRANDED_NOTICE_S ago and
         # the others still run it, perhaps waiting in a collective for the failed ones. None: a warning.
         self.on_stranded: Optional[Callable] = None
+        # Called with LaunchStalled / LaunchResumed while a cell waits (the stall watch); None: printed.
+        self.on_stall: Optional[Callable] = None
         self._pool: Optional[WorkerPool] = None
         self._plan = None
         self._ids = itertools.count(1)
@@ -100,6 +108,7 @@ class Session:
             cpu=self.cpu,
             fsdp=self.fsdp,
             gpu_ids=self.gpu_ids,
+            stall_after=self._stall_after,
             **ONE_MACHINE,
         )
         if plan.engine != "local":
@@ -111,6 +120,7 @@ class Session:
         self._pool = pool
         self._plan = plan  # holds the rendezvous port it picked while the workers live
         self.fsdp_on = plan.fsdp
+        self.stall_after = plan.stall_after
         return self
 
     def stop(self) -> None:
@@ -131,14 +141,18 @@ class Session:
         ranks=None,
         timeout: Optional[float] = None,
         check: bool = False,
+        stall_after=None,
     ) -> dict:
         """Run `source` on the ranks; rank -> CellReply once every one has answered. With `timeout`
         the ranks are interrupted when it runs out and SessionTimeout is raised. `check=True`
-        raises CellError when the cell raised on some rank."""
+        raises CellError when the cell raised on some rank. `stall_after` (seconds, 0 off) replaces the
+        session's own `stall_after` for this cell."""
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        stall_after = self.stall_after if stall_after is None else resolve_stall_after(stall_after)
         filename = filename or f"<session-cell-{next(self._cell_numbers)}>"
-        answers = self._call(ranks, {"type": "exec", "source": source, "filename": filename}, timeout=timeout)
+        request = {"type": "exec", "source": source, "filename": filename}
+        answers = self._call(ranks, request, timeout=timeout, stall_after=stall_after)
         replies = {rank: cell_reply(rank, header) for rank, (header, _) in answers.items()}
         errors = {rank: reply.error for rank, reply in replies.items() if not reply.ok}
         if check and errors:
@@ -212,7 +226,9 @@ class Session:
             raise SessionError(f"the session's reader thread failed ({self._pool.failure!r}); call restart()")
         return self._pool
 
-    def _call(self, ranks, header: dict, payload: bytes = b"", timeout: Optional[float] = None) -> dict:
+    def _call(
+        self, ranks, header: dict, payload: bytes = b"", timeout: Optional[float] = None, stall_after: float = 0.0
+    ) -> dict:
         """rank -> (reply header, payload) from every targeted rank; WorkerDied if one died."""
         pool = self._live()
         targets = parse_ranks(ranks, len(pool.workers))
@@ -228,7 +244,7 @@ class Session:
         try:
             with _sigint_deferred():
                 pool.submit(req, header, payload)
-            self._await(pool, req, timeout)
+            self._await(pool, req, timeout, stall_after)
         except KeyboardInterrupt:
             self._interrupt(pool, req)
             raise
@@ -241,14 +257,17 @@ class Session:
             raise pool.died(sorted(req.dead), req.replies)
         return {r: req.replies[r] for r in targets}
 
-    def _await(self, pool: WorkerPool, req: Request, timeout: Optional[float]) -> None:
+    def _await(self, pool: WorkerPool, req: Request, timeout: Optional[float], stall_after: float = 0.0) -> None:
+        # stall_after: for the stall watch (issue 29); 0.0 (push, pull): not watched
         deadline = None if timeout is None else time.monotonic() + timeout
         watch = _StrandedWatch(req, self.on_stranded or _warn_stranded, self.tick)
+        if stall_after > 0:
+            watch = _CellWatch(pool, req, stall_after, self.on_stall or _print_stall, watch.tick)
         done = pool.wait_until(req.finished, deadline, watch.tick)  # KeyboardInterrupt: see _call
         if not done:
             killed = self._interrupt(pool, req)
             replies = {r: cell_reply(r, h) for r, (h, _) in sorted(req.replies.items())}
-            raise SessionTimeout(timeout, replies, killed)
+            raise SessionTimeout(timeout, replies, killed, stall=getattr(watch, "last_report", None))
 
     def _interrupt(self, pool: WorkerPool, req: Request) -> list:
         """SIGINT the ranks still on `req` (again each second); SIGKILL after INTERRUPT_GRACE_S or
@@ -303,6 +322,43 @@ class _StrandedWatch:
         if running and now - self.first_failure >= STRANDED_NOTICE_S:
             self.told = True
             self.report(failed, running)
+
+
+class _CellWatch:
+    """The launch's stall watch (launch/watch.py) over a session cell: progress is any worker's
+    output or reply (the reader thread stamps `pool.last_activity`), and the collectives the
+    workers complete; `report(event)` gets LaunchStalled and LaunchResumed."""
+
+    def __init__(self, pool: WorkerPool, req: Request, stall_after: float, report: Callable, inner: Callable):
+        from ..launch import frontend
+        from ..launch.watch import Watch
+
+        self.pool, self.req, self.report, self.inner = pool, req, report, inner
+        self.seen = pool.last_activity
+        self.watch = Watch(stall_after, time.monotonic(), frontend.label_traceback)
+
+    @property
+    def last_report(self):
+        return self.watch.last_report
+
+    def tick(self) -> None:
+        self.inner()
+        events = []
+        if self.pool.last_activity != self.seen:
+            self.seen = self.pool.last_activity
+            events += self.watch.progress(self.seen)
+        req, workers = self.req, self.pool.workers
+        ranks = [(r, workers[r].pid, r in req.replies) for r in req.ranks if r not in req.dead and r not in req.cancelled]
+        events += self.watch.tick(time.monotonic(), ranks)
+        for event in events:
+            self.report(event)
+
+
+def _print_stall(event) -> None:
+    from ..launch.sinks import ConsoleSink
+
+    ConsoleSink().handle(event)
+    sys.stderr.flush()
 
 
 def stranded_text(failed: list, running: list) -> str:

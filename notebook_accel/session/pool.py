@@ -39,6 +39,7 @@ class Request:
 class WorkerPool:
     def __init__(self, on_output: Callable):
         self.on_output = on_output
+        self.last_activity = time.monotonic()  # the newest output line or reply of any worker
         self.cond = threading.Condition()
         self.workers: list = []
         self.pending: dict = {}
@@ -230,6 +231,7 @@ class WorkerPool:
             req = self.pending.get(header.get("id"))
             if req is not None and w.rank in req.ranks:
                 req.replies[w.rank] = (header, payload)
+                self.last_activity = time.monotonic()
             self.cond.notify_all()
 
     def on_exit(self, w) -> None:
@@ -266,6 +268,7 @@ class WorkerPool:
             self.cond.notify_all()
 
     def emit(self, rank: int, stream: str, text: str, transient: bool) -> None:
+        self.last_activity = time.monotonic()  # progress, for the stall watch (manager._CellWatch)
         try:
             self.on_output(rank, stream, text, transient)
         except Exception as exc:

@@ -290,6 +290,10 @@ class _Hub:
         self.finished: set = set()  # (local_rank, attempt) whose outcome was reported
         self.started: dict = {}  # (local_rank, attempt) -> when its RankStarted came
         self.resources = ResourceSampler({})  # by global rank: a restart's worker replaces the last
+        from .. import frontend
+        from ..watch import Watch
+
+        self.watch = Watch(getattr(plan, "stall_after", 0.0), time.monotonic(), frontend.label_traceback)
 
     def serve_until(self, thread: threading.Thread, control) -> None:
         drained_at = None
@@ -308,13 +312,31 @@ class _Hub:
             if self.resources.due(now):
                 for event in self.resources.sample(now, self._running()):
                     self.sink.handle(event)
+            if thread.is_alive():
+                for event in self.watch.tick(now, self._watched()):
+                    self.sink.handle(event)
             reason = control.check(now)
             if reason and thread.is_alive():
-                raise (LaunchTimeoutError if control.timed_out else LaunchStoppedError)(reason)
+                kind = LaunchTimeoutError if control.timed_out else LaunchStoppedError
+                raise kind(reason, stall=self.watch.last_report)
             if not thread.is_alive():
                 drained_at = drained_at or time.monotonic()
                 if self.open == 0 or time.monotonic() - drained_at > 2.0:
                     return
+
+    def _watched(self) -> list:
+        """(rank, pid, returned) of each rank's latest attempt, for the stall watch."""
+        latest = {}
+        for local_rank, attempt in self.pids:
+            latest[local_rank] = max(attempt, latest.get(local_rank, attempt))
+        out = []
+        for local_rank, attempt in sorted(latest.items()):
+            outcome = self.outcomes.get(local_rank)
+            if outcome is not None and outcome[0] == attempt and outcome[1] != "result":
+                continue  # failed or stopped: the agent restarts it or ends the launch
+            returned = outcome is not None and outcome[0] == attempt
+            out.append((self.ranks[local_rank], self.pids[(local_rank, attempt)], returned))
+        return out
 
     def _running(self) -> list:
         """Global ranks of the workers that started and have not reported an outcome."""
@@ -373,6 +395,9 @@ class _Hub:
     def _deliver(self, conn: _Conn, events: list) -> None:
         local_rank, attempt, stream = conn.key
         chan = conn.channel
+        if events:
+            for event in self.watch.progress(time.monotonic()):  # output or an outcome: a rank moves
+                self.sink.handle(event)
         for event in events:
             if isinstance(event, ev.RankStarted):
                 self.ranks[local_rank] = chan.rank

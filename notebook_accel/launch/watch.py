@@ -1,0 +1,77 @@
+"""The launcher's watch over a launch's progress (issue #29): when for `stall_after` seconds no rank
+has written output, returned or got past a collective (a new one enqueued), the sinks get a LaunchStalled event with a
+report of where every rank is (stall.py); LaunchResumed once one moves again. The run goes on.
+
+Cheap while ranks talk: nothing is asked of them until they have been quiet for a third of
+`stall_after`; then each rank's collective counters are read every third of it (watch_probe.py),
+and only a stall takes their stacks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from . import events as ev
+from . import stall, watch_probe
+
+MIN_PROBE_S = 1.0
+
+
+class Watch:
+    def __init__(self, stall_after: float, now: float, label=None):
+        self.stall_after = float(stall_after or 0.0)
+        self.label = label  # names notebook files `Cell In[N]` (launch/frontend.py)
+        self.last_progress = now
+        self.next_probe = 0.0
+        self.issued: dict = {}  # rank -> {group: the last sequence number it enqueued}
+        self.report: Optional[stall.StallReport] = None  # the stall going on, if any
+        self.last_report: Optional[stall.StallReport] = None  # the latest, for a timeout's error
+
+    @property
+    def on(self) -> bool:
+        return self.stall_after > 0
+
+    def progress(self, now: float) -> list:
+        """A rank wrote, returned or got past a collective: clears a stall (the event to send)."""
+        self.last_progress = now
+        if self.report is None:
+            return []
+        self.report = None
+        return [ev.LaunchResumed()]
+
+    def tick(self, now: float, ranks: list) -> list:
+        """`ranks`: (rank, pid, returned) of every rank not failed. The events to send now."""
+        if not self.on or now - self.last_progress < self.stall_after / 3 or now < self.next_probe:
+            return []
+        self.next_probe = now + max(MIN_PROBE_S, self.stall_after / 3)
+        seen = {rank: watch_probe.collectives(pid) for rank, pid, returned in ranks if not returned}
+        events = []
+        for rank, found in seen.items():
+            if found is None:
+                continue
+            if rank in self.issued and found.issued != self.issued[rank]:
+                events += self.progress(now)  # it got past a collective and into another one
+            self.issued[rank] = found.issued
+        if self.report is None and now - self.last_progress >= self.stall_after:
+            self.report = self.last_report = self.snapshot(now - self.last_progress, ranks, seen)
+            events.append(ev.LaunchStalled(self.report))
+        return events
+
+    def snapshot(self, seconds: float, ranks: list, seen: Optional[dict] = None) -> stall.StallReport:
+        """Where every rank is now: its stacks and collectives (also on demand, without a stall)."""
+        seen = seen or {}
+        where = []
+        for rank, pid, returned in ranks:
+            if returned:
+                where.append(stall.RankWhere(rank, "returned"))
+                continue
+            found = seen.get(rank) or watch_probe.collectives(pid)
+            text = watch_probe.stacks(pid)
+            threads = stall.frames_of(text) if text else ()
+            if found is None and not threads:
+                where.append(stall.RankWhere(rank, "unknown"))
+                continue
+            waiting = found.waiting if found else ()
+            state = "waiting" if waiting else "running"
+            where.append(stall.RankWhere(rank, state, waiting, found.last if found else (), threads))
+        return stall.build(seconds, where, self.label)

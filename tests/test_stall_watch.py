@@ -1,0 +1,147 @@
+"""The stall watch on real gloo ranks (issue #29, part 1): a launch whose ranks stop making progress
+is explained (where each rank is, which collective, the disagreement in one sentence) without being
+stopped; the explanation clears when they move; a timeout's error carries it; a peer that returned
+is said to have returned, never to have crashed. stall_after is 2 s here (60 by default)."""
+
+from __future__ import annotations
+
+import pytest
+import watch_targets as targets
+
+from notebook_accel.launch import ListSink, notebook_launcher
+from notebook_accel.launch import events as ev
+from notebook_accel.launch.errors import LaunchFailedError, LaunchTimeoutError
+
+STALL = 2.0
+
+
+@pytest.fixture(autouse=True)
+def no_stall_setting(monkeypatch):
+    monkeypatch.delenv("NOTEBOOK_ACCEL_STALL_AFTER", raising=False)
+    # As a user's launch does (conftest.py turns it off): ranks inherit torch._dynamo instead of each
+    # spending seconds importing it, silently, which the watch would rightly call no progress.
+    monkeypatch.delenv("NOTEBOOK_ACCEL_PREWARM", raising=False)
+
+
+def stalls(sink: ListSink) -> list:
+    return [e.report for e in sink.events if isinstance(e, ev.LaunchStalled)]
+
+
+def launch_until_timeout(function, sink, timeout=6.0, **kw):
+    with pytest.raises(LaunchTimeoutError) as caught:
+        notebook_launcher(function, use_port="auto", stall_after=STALL, timeout=timeout, sinks=[sink], **kw)
+    return caught.value
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_ranks_in_different_collectives_are_named_with_the_collective_and_the_line(start_method):
+    sink = ListSink()
+    error = launch_until_timeout(targets.mismatch, sink, num_processes=2, start_method=start_method)
+    (report,) = stalls(sink)  # once, and the run went on until the timeout
+    assert report.stalled and report.seconds >= STALL
+    assert [r.state for r in report.ranks] == ["waiting", "waiting"], report
+    sentence = report.sentence
+    assert "rank 0 waits in all_reduce #" in sentence and "(float32[4])" in sentence, sentence
+    assert "rank 1 waits in barrier #" in sentence, sentence
+    assert "watch_targets.py, line 19, in mismatch" in sentence, sentence  # the all_reduce line
+    assert "watch_targets.py, line 21, in mismatch" in sentence, sentence  # the barrier line
+    text = report.text()
+    assert "dist.all_reduce(t)" in text and "dist.barrier()" in text, text  # the source of each stack
+    # The timeout still ends the run; its error carries the report.
+    assert error.stall is report and sentence in str(error), str(error)
+    assert not any(isinstance(e, ev.LaunchResumed) for e in sink.events)
+
+
+@pytest.mark.timeout(120)
+def test_four_ranks_one_odd_one_out():
+    sink = ListSink()
+    launch_until_timeout(targets.mismatch, sink, args=(2,), num_processes=4)
+    (report,) = stalls(sink)
+    assert "ranks 0, 1, 3 wait in barrier #" in report.sentence, report.sentence
+    assert "rank 2 waits in all_reduce #" in report.sentence, report.sentence
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_ddp_issues_from_cpp_is_named():
+    sink = ListSink()
+    launch_until_timeout(targets.ddp_mismatch, sink, num_processes=2)
+    (report,) = stalls(sink)
+    rank0 = report.ranks[0]
+    # The gradient bucket of Linear(8, 2): 16 weights and 2 biases, all-reduced by DDP's reducer.
+    assert [c.op for c in rank0.waiting] == ["all_reduce"] and rank0.waiting[0].shapes == ((18,),), rank0
+    assert "accelerator.backward(loss)" in report.text(), report.text()
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_returned_is_reported_as_returned_not_as_a_crash():
+    sink = ListSink()
+    with pytest.raises(LaunchFailedError) as caught:
+        notebook_launcher(targets.one_more_all_reduce, num_processes=2, use_port="auto", stall_after=STALL,
+                          timeout=30, sinks=[sink])  # fmt: skip
+    text = str(caught.value)
+    assert "rank 0 failed: it was still in all_reduce when rank 1 returned from the function" in text, text
+    assert "No rank crashed" in text, text
+    assert [e.rank for e in sink.events if isinstance(e, ev.RankFinished)] == [1]
+
+
+@pytest.mark.timeout(120)
+def test_quiet_ranks_outside_a_collective_are_no_progress_and_it_clears_when_they_move():
+    sink = ListSink()
+    results = notebook_launcher(
+        targets.quiet_then_talk, args=(STALL + 2.5,), num_processes=2, use_port="auto", stall_after=STALL, sinks=[sink]
+    )
+    assert results == [0, 1]
+    (report,) = stalls(sink)
+    assert not report.stalled
+    assert report.sentence.startswith(f"no progress for {STALL:.0f} s: no rank is in a collective"), report.sentence
+    assert "watch_targets.py, line" in report.sentence and "in quiet_then_talk" in report.sentence, report.sentence
+    kinds = [type(e).__name__ for e in sink.events]
+    stalled_at, resumed_at = kinds.index("LaunchStalled"), kinds.index("LaunchResumed")
+    first_output = next(i for i, e in enumerate(sink.events) if isinstance(e, ev.RankOutput))
+    assert stalled_at < resumed_at <= first_output + 1, kinds  # cleared by the first line after it
+
+
+@pytest.mark.timeout(120)
+def test_stall_after_zero_turns_the_watch_off():
+    sink = ListSink()
+    with pytest.raises(LaunchTimeoutError) as caught:
+        notebook_launcher(targets.mismatch, num_processes=2, use_port="auto", stall_after=0, timeout=5, sinks=[sink])
+    assert stalls(sink) == [] and caught.value.stall is None
+
+
+@pytest.mark.timeout(180)
+def test_an_elastic_launch_is_watched_too():
+    sink = ListSink()
+    launch_until_timeout(targets.mismatch, sink, num_processes=2, max_restarts=1, timeout=10)
+    (report,) = stalls(sink)
+    assert "waits in all_reduce #" in report.sentence and "waits in barrier #" in report.sentence, report.sentence
+
+
+MISMATCH_CELL = """\
+import torch, torch.distributed as dist
+from notebook_accel import PartialState
+state = PartialState()
+t = torch.ones(3)
+if state.process_index == 0:
+    dist.all_reduce(t)
+else:
+    dist.barrier()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_session_cell_is_watched_and_its_timeout_carries_the_report():
+    from notebook_accel.session import Session, SessionTimeout
+
+    seen = []
+    with Session(2, cpu=True, stall_after=STALL) as session:
+        session.on_stall = seen.append
+        session.run_cell("x = 1", check=True)  # a quick cell: nothing to report
+        assert seen == []
+        with pytest.raises(SessionTimeout) as caught:
+            session.run_cell(MISMATCH_CELL, timeout=6)
+    assert [type(e).__name__ for e in seen] == ["LaunchStalled"], seen
+    report = seen[0].report
+    assert "rank 0 waits in all_reduce #" in report.sentence and "rank 1 waits in barrier #" in report.sentence
+    assert caught.value.stall is report and report.sentence in str(caught.value)

@@ -108,6 +108,9 @@ def test_stall_after_zero_turns_the_watch_off():
     with pytest.raises(LaunchTimeoutError) as caught:
         notebook_launcher(targets.mismatch, num_processes=2, use_port="auto", stall_after=0, timeout=5, sinks=[sink])
     assert stalls(sink) == [] and caught.value.stall is None
+    # Nor do the ranks serve anything to it then; by default they do.
+    assert notebook_launcher(targets.serves_the_watch, num_processes=2, use_port="auto", stall_after=0) == [False] * 2
+    assert notebook_launcher(targets.serves_the_watch, num_processes=2, use_port="auto") == [True] * 2
 
 
 @pytest.mark.timeout(180)

@@ -62,3 +62,12 @@ def quiet_then_talk(seconds: float):
     time.sleep(seconds)
     print("moving again", flush=True)
     return int(os.environ["RANK"])
+
+
+def serves_the_watch() -> bool:
+    """Whether this rank serves its stacks and collectives to the launcher's watch."""
+    import os
+
+    from notebook_accel.launch import watch_rank
+
+    return os.path.exists(watch_rank.socket_path(os.getpid()))

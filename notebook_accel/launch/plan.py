@@ -228,6 +228,7 @@ def make_plan(
         MIXED_PRECISION_ENV: mixed_precision,
         "OMP_NUM_THREADS": str(threads),
         "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+        stall_settings.STALL_AFTER_ENV: f"{stall_after:g}",  # 0: the ranks serve nothing to a watch
     }
     if cpu:
         env[USE_CPU_ENV] = "1"

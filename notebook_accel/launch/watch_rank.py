@@ -29,9 +29,12 @@ def socket_path(pid: int) -> str:
 
 
 def start() -> bool:
-    """Serve this rank's stacks and collectives on socket_path(os.getpid()); False where it cannot
-    (no torch.distributed, an old torch): the launcher then reports without them."""
+    """Serve this rank's stacks and collectives on socket_path(os.getpid()); False where the launch
+    turned the watch off (stall_after 0, in the rank's environment) or it cannot (no
+    torch.distributed, an old torch): the launcher then reports without them."""
     global _server
+    if os.environ.get("NOTEBOOK_ACCEL_STALL_AFTER", "").strip() in ("0", "0.0"):  # the plan's: watch off
+        return False
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER_SIZE)  # read when the first group is made
     try:
         from torch._C._distributed_c10d import _WorkerServer

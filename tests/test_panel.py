@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import html
 import re
 import sys
 import threading
 import time
 import types
 
+import ipywidgets as widgets
 import pytest
 
 from notebook_accel.jupyter import panel as panel_mod
@@ -333,7 +335,7 @@ def test_failure_without_traceback_shows_last_output():
 
 def test_stop_button_requests_stop_once_and_is_disabled_after_finish(clicks_arrive):
     p = LaunchPanel(autoflush=False, show=False)
-    assert clicks_arrive.calls == [p.stop_button]
+    assert clicks_arrive.calls == [p.stop_button, p.stacks_button]
     assert p.stop_button.disabled
     control = FakeControl()
     p.attach(control)
@@ -573,3 +575,33 @@ def test_device_columns_appear_where_a_rank_has_device_numbers():
     p.handle(ev.RankFinished(0, 1.0, peak_rss=gib, peak_device_memory=5 * gib))
     p.flush()
     assert '<span class="nacc-device-memory" data-rank="0">peak 5.0 GiB</span>' in p.status_table.value
+
+
+def test_stacks_button_shows_where_each_running_rank_is(monkeypatch):
+    from notebook_accel.launch import watch_probe
+
+    monkeypatch.setattr(watch_probe, "collectives", lambda pid: watch_probe.Collectives(
+        (watch_probe.Collective("all_reduce", "default", 7, ((4,),), ("Float",)),), (), {"default": 7}))
+    monkeypatch.setattr(watch_probe, "stacks", lambda pid: f'Thread 0x1 (most recent call first):\n  File "/home/me/t.py", line {pid} in f\n')
+    p = make()
+    assert p.stacks_button.disabled  # nothing runs yet
+    p.handle(ev.RankStarted(0, 11))
+    p.handle(ev.RankStarted(1, 12))
+    p.flush()
+    assert not p.stacks_button.disabled
+    p.stacks_button.click()
+    assert "where the ranks are now: rank 0 waits in all_reduce #7 (float32[4]) at /home/me/t.py, line 11, in f" in (
+        html.unescape(p.traceback.value)
+    ), p.traceback.value
+    assert "rank 1 waits in all_reduce #7 (float32[4]) at /home/me/t.py, line 12" in html.unescape(p.traceback.value)
+    p.handle(ev.LaunchFinished(True, 1.0))
+    p.flush()
+    assert p.stacks_button.disabled
+
+
+def test_where_clicks_cannot_arrive_the_panel_says_stacks_need_them(clicks_arrive):
+    clicks_arrive.deliver_while_busy = lambda widget: False
+    p = make()
+    texts = [w.value for w in all_widgets(p.widget) if isinstance(w, widgets.HTML)]
+    assert any("stacks on demand need a kernel" in t for t in texts), texts
+    assert p.stacks_button not in list(all_widgets(p.widget))

@@ -24,6 +24,7 @@ from .launch_model import LaunchModel
 from .panel_html import (
     current_lines,
     header_html,
+    label_cells,
     line_html,
     stall_html,
     status_html,
@@ -37,12 +38,13 @@ from .transcript import SavedOutput, transcript
 
 STOP_REASON = "stopped from the launch panel"
 INTERRUPT_HINT = "Interrupt the kernel (■) to stop"
+NO_STACKS_HINT = "(stacks on demand need a kernel that hears clicks while busy)"
 
 
 class LaunchPanel(Sink):
     """A launch sink drawn as widgets: header with Stop, a status row per rank, logs, bars, tracebacks.
 
-    Public widgets: `widget` (the root), `stop_button`, `views` ("all", "rank-R" -> HTML), `tabs`,
+    Public widgets: `widget` (the root), `stop_button`, `stacks_button`, `views` ("all", "rank-R" -> HTML), `tabs`,
     `status_table`, `header`, `progress_bars` / `progress_labels` (rank -> widget), `traceback`.
 
     `show_after=S` (interactive session cells): the panel is built and shown only once the launch
@@ -207,8 +209,15 @@ class LaunchPanel(Sink):
         self.stop_button.add_class("nacc-stop")
         self.stop_button.on_click(self._on_stop)
         stop: widgets.Widget = self.stop_button
-        if not _clicks_arrive(self.stop_button):
+        self.stacks_button = widgets.Button(
+            description="Stacks", icon="search", disabled=True, tooltip="Where each rank is now: its stacks and collective"
+        )
+        self.stacks_button.add_class("nacc-stacks")
+        self.stacks_button.on_click(self._on_stacks)
+        stacks: widgets.Widget = self.stacks_button
+        if not _clicks_arrive(self.stop_button) or not _clicks_arrive(self.stacks_button):
             stop = widgets.HTML(f'<span class="nacc-muted">{esc(INTERRUPT_HINT)}</span>', style=html)
+            stacks = widgets.HTML(f'<span class="nacc-muted">{esc(NO_STACKS_HINT)}</span>', style=html)
         self.status_table = widgets.HTML(layout=full, style=html)
         self.progress_box = widgets.VBox(layout=full)
         self.tabs = widgets.Tab(layout=full)
@@ -225,7 +234,7 @@ class LaunchPanel(Sink):
         self.widget = widgets.VBox(
             [
                 widgets.HTML(style_tag(), style=html),
-                widgets.HBox([self.header, stop], layout=widgets.Layout(align_items="center")),
+                widgets.HBox([self.header, stacks, stop], layout=widgets.Layout(align_items="center")),
                 self.status_table,
                 self.progress_box,
                 self.tabs,
@@ -248,6 +257,27 @@ class LaunchPanel(Sink):
             m.stop_requested = True
         self.stop_button.disabled = True
         control.request_stop(STOP_REASON)
+
+    def _on_stacks(self, _button=None) -> None:
+        """A snapshot of every running rank, shown where a stall report is (the widget-message thread;
+        launch/watch.py and stall.py were imported by the launch)."""
+        from ..launch.watch import snapshot
+
+        m = self.model
+        with self._lock:
+            if m.state != "running":
+                return
+            rows = [(r.rank, r.pid, r.state == "done") for r in m.sorted_ranks() if r.pid and r.state in ("running", "done")]
+            began = m.began
+        self.stacks_button.disabled = True
+        try:
+            report = snapshot(time.monotonic() - began, rows, label_cells, asked=True)
+        finally:
+            self.stacks_button.disabled = False
+        with self._lock:
+            if m.stall is None or not m.stall.stalled:  # a stall's report stays until the ranks move
+                m.stall = report
+        self.flush()
 
     def _build(self, ranks: list) -> None:
         """Widgets for the current set of ranks; existing ones are kept.
@@ -351,6 +381,7 @@ class LaunchPanel(Sink):
         # The launch's state last: a front end that shows "done" already shows the rest.
         state, note, stopping = snap["launch"]
         _set(self.stop_button, "disabled", state != "running" or stopping)
+        _set(self.stacks_button, "disabled", state != "running")
         header = header_html(self.title, state, note, stopping, snap["launch_elapsed"], fsdp=snap["fsdp"])
         _set(self.header, "value", header)
 

@@ -76,7 +76,8 @@ def parse_stacks(text: str) -> tuple:
 @dataclass(frozen=True)
 class RankWhere:
     """One rank at the time of the report. `state`: "returned", "waiting" (in a collective),
-    "running" (in none), "unknown" (its server did not answer)."""
+    "running" (in none), "idle" (a session worker between cells), "unknown" (its server did not
+    answer)."""
 
     rank: int
     state: str
@@ -95,6 +96,8 @@ class RankWhere:
         """What the rank does, for the sentence: "waits in all_reduce #12 (float32[4]) at Cell In[5], line 3"."""
         if self.state == "returned":
             return "returned from the function"
+        if self.state == "idle":
+            return "is idle (no cell running)"
         frame = self.user_frame()
         at = f" at {frame.where(label)}" if frame else ""
         if self.state == "waiting":
@@ -149,9 +152,13 @@ class StallReport:
         return "\n".join(lines)
 
 
-def build(seconds: float, ranks: list, label=None) -> StallReport:
-    """The report for `ranks` (RankWhere, any order), with the sentence on top."""
+def build(seconds: float, ranks: list, label=None, asked: bool = False) -> StallReport:
+    """The report for `ranks` (RankWhere, any order), with the sentence on top; `asked`: a snapshot
+    taken on demand after `seconds`, which says where the ranks are, not that they stalled."""
     ranks = tuple(sorted(ranks, key=lambda r: r.rank))
+    if asked:
+        text = "where the ranks are now: " + "; ".join(_grouped(ranks, label))
+        return StallReport(seconds, False, text, ranks)
     stalled = any(r.state == "waiting" for r in ranks)
     return StallReport(seconds, stalled, sentence(seconds, ranks, label), ranks)
 
@@ -177,9 +184,8 @@ def _grouped(ranks: tuple, label) -> list:
         by_text.setdefault(r.doing(label), []).append(r.rank)
     out = []
     for text, numbers in by_text.items():
-        if len(numbers) > 1:
-            text = text.replace("waits in", "wait in", 1).replace(" is in no", " are in no", 1)
-            text = re.sub(r"^is in no", "are in no", text)
+        if len(numbers) > 1:  # the verb agrees: "ranks 0, 2 wait in", "ranks 0, 1 are idle"
+            text = re.sub(r"^waits ", "wait ", re.sub(r"^is ", "are ", text))
         out.append(f"{_numbers(numbers)} {text}")
     return out
 

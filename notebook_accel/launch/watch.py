@@ -58,20 +58,26 @@ class Watch:
         return events
 
     def snapshot(self, seconds: float, ranks: list, seen: Optional[dict] = None) -> stall.StallReport:
-        """Where every rank is now: its stacks and collectives (also on demand, without a stall)."""
-        seen = seen or {}
-        where = []
-        for rank, pid, returned in ranks:
-            if returned:
-                where.append(stall.RankWhere(rank, "returned"))
-                continue
-            found = seen.get(rank) or watch_probe.collectives(pid)
-            text = watch_probe.stacks(pid)
-            threads = stall.frames_of(text) if text else ()
-            if found is None and not threads:
-                where.append(stall.RankWhere(rank, "unknown"))
-                continue
-            waiting = found.waiting if found else ()
-            state = "waiting" if waiting else "running"
-            where.append(stall.RankWhere(rank, state, waiting, found.last if found else (), threads))
-        return stall.build(seconds, where, self.label)
+        return snapshot(seconds, ranks, self.label, seen)
+
+
+def snapshot(seconds: float, ranks: list, label=None, seen: Optional[dict] = None, asked: bool = False):
+    """Where every rank is now: its stacks and collectives. `ranks`: (rank, pid, returned), or
+    (rank, pid, state) with a state of stall.RankWhere's; `asked`: on demand (a Stacks button,
+    Session.stacks()), not because of a stall."""
+    seen = seen or {}
+    where = []
+    for rank, pid, returned in ranks:
+        if returned is True or returned in ("returned", "idle"):
+            where.append(stall.RankWhere(rank, "returned" if returned is True else returned))
+            continue
+        found = seen.get(rank) or watch_probe.collectives(pid)
+        text = watch_probe.stacks(pid)
+        threads = stall.frames_of(text) if text else ()
+        if found is None and not threads:
+            where.append(stall.RankWhere(rank, "unknown"))
+            continue
+        waiting = found.waiting if found else ()
+        state = "waiting" if waiting else "running"
+        where.append(stall.RankWhere(rank, state, waiting, found.last if found else (), threads))
+    return stall.build(seconds, where, label, asked=asked)

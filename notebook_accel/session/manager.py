@@ -189,6 +189,22 @@ class Session:
         pool = self._pool
         return {} if pool is None else {w.rank: w.pid for w in pool.workers}
 
+    def stacks(self, ranks=None):
+        """Where each worker is now, as data (launch/stall.py StallReport): its threads' stacks and
+        the collective it waits in, if any; idle workers are said to be idle. Read from outside the
+        workers' Python, so a worker blocked in a collective answers too (not with stall_after=0,
+        which starts no server in the workers)."""
+        from ..launch import frontend
+        from ..launch.watch import snapshot
+
+        pool = self._live()
+        rows = []
+        for rank in parse_ranks(ranks, len(pool.workers)):
+            w = pool.workers[rank]
+            if not w.dead:
+                rows.append((rank, w.pid, None if w.busy else "idle"))
+        return snapshot(time.monotonic() - pool.last_activity, rows, frontend.label_traceback, asked=True)
+
     def status(self) -> list:
         """One dict per rank: rank, pid, state (idle/busy/dead), exitcode, signal, device, rss."""
         import psutil

@@ -605,3 +605,24 @@ def test_where_clicks_cannot_arrive_the_panel_says_stacks_need_them(clicks_arriv
     texts = [w.value for w in all_widgets(p.widget) if isinstance(w, widgets.HTML)]
     assert any("stacks on demand need a kernel" in t for t in texts), texts
     assert p.stacks_button not in list(all_widgets(p.widget))
+
+
+def test_a_stall_marks_its_ranks_and_puts_its_sentence_on_top_until_they_move():
+    from notebook_accel.launch import stall, watch_probe
+
+    waiting = (watch_probe.Collective("barrier", "default", 3),)
+    report = stall.build(61, [stall.RankWhere(0, "waiting", waiting), stall.RankWhere(1, "running")])
+    p = make()
+    p.handle(ev.RankStarted(0, 11))
+    p.handle(ev.RankStarted(1, 12))
+    p.handle(ev.LaunchStalled(report))
+    p.flush()
+    assert 'data-rank="0" data-status="running" data-stalled="1">running (stalled: waits in barrier #3)' in (
+        p.status_table.value
+    ), p.status_table.value
+    assert report.sentence in html.unescape(p.header.value)
+    assert 'class="nacc-stall" data-stalled="1"' in p.traceback.value and "<details>" in p.traceback.value
+    p.handle(ev.LaunchResumed())
+    p.flush()
+    assert "data-stalled" not in p.status_table.value and "nacc-stall" not in p.traceback.value
+    assert report.sentence not in html.unescape(p.header.value)

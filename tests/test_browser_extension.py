@@ -369,3 +369,56 @@ def test_stop_button_and_the_num_processes_setting(jupyter_lab, browser_page, tm
         assert not extension_errors(page), page.console_errors
     finally:  # the server's settings serve the module's other tests
         put_settings(jupyter_lab, "{}")
+
+
+# Rank 0 in all_reduce, rank 1 in barrier: the stall watch speaks after 2 s, the timeout ends it.
+STALL_CELL = """import torch, torch.distributed as dist
+from notebook_accel import PartialState, notebook_launcher
+
+def stuck():
+    state = PartialState()
+    print("ready", flush=True)
+    if state.process_index == 0:
+        dist.all_reduce(torch.ones(4))
+    else:
+        dist.barrier()
+
+notebook_launcher(stuck, num_processes=2, stall_after=2, timeout=15)"""
+
+
+@pytest.mark.timeout(240)
+def test_a_stalled_launch_in_the_sidebar(jupyter_lab, browser_page, tmp_path):  # noqa: F811
+    require_extension()
+    page = browser_page
+    write_notebook(jupyter_lab.root, "stall.ipynb", [SETUP, STALL_CELL])
+    open_notebook(page, jupyter_lab, "stall.ipynb")
+    run_cell(page, 0)
+    wait_status(page, SUMMARY)
+    sidebar = open_sidebar(page)
+    run_cell(page, 1)
+
+    # While the ranks wait: the sentence on the launch, both ranks marked with what they wait in.
+    sentence = sidebar.locator(".nacc-x-launch .nacc-x-stall-sentence")
+    sentence.filter(has_text=re.compile(r"stalled for \d+ s: .*waits in all_reduce")).wait_for(timeout=60_000)
+    marked = json.dumps(f'{SIDEBAR} .nacc-x-rank[data-stalled="1"]')
+    page.wait_for_function(f"() => document.querySelectorAll({marked}).length === 2", timeout=10_000)
+    launch = sidebar.locator(".nacc-x-launch").first
+    assert launch.get_attribute("data-state") == "running"
+    text = launch.inner_text()
+    assert "stalled: waits in all_reduce" in text and "stalled: waits in barrier" in text, text
+    page.evaluate(f"document.querySelector({SIDEBAR + ' .nacc-x-stall'!r}).scrollIntoView()")
+    screenshot(page, tmp_path / "1-stalled.png")
+
+    # The timeout ends it; the sentence stays (it says why), the report opens and stays open on redraws.
+    ended = wait_status(page, "stopped|failed", timeout=60)
+    assert re.search(r"stopped after|rank \d failed|failed after", ended), ended
+    assert launch.locator('.nacc-x-rank[data-stalled="1"]').count() == 0
+    assert "waits in all_reduce" in launch.locator(".nacc-x-stall-sentence").inner_text()
+    launch.locator(".nacc-x-stall-report summary").click()
+    sidebar.locator('[data-action="refresh"]').click()  # a redraw (the kernel answers with a hello)
+    page.wait_for_timeout(1000)
+    report = sidebar.locator(".nacc-x-launch .nacc-x-stall-report[open] .nacc-x-stall-text")
+    assert "rank 0: waits in all_reduce" in report.inner_text() and "Cell In[" in report.inner_text()
+    page.evaluate(f"document.querySelector({SIDEBAR + ' .nacc-x-stall'!r}).scrollIntoView()")
+    screenshot(page, tmp_path / "2-report.png")
+    assert not extension_errors(page), page.console_errors

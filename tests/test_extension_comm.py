@@ -3,11 +3,17 @@ client as the front end would (open, hello, launch events, stop, refresh)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
 import pytest
 from kernels import reply_to, run
+from panel_targets import FakeComm
+
+from notebook_accel.jupyter import comm
+from notebook_accel.launch import events as ev
+from notebook_accel.launch import stall, watch_probe
 
 # %load_ext registers the comm target; launches then feed open comms.
 SETUP = "%load_ext notebook_accel\nfrom notebook_accel.jupyter import comm as _nacc_comm"
@@ -275,3 +281,68 @@ def test_session_messages_restart_and_stop_session_from_the_comm(kernel, tmp_pat
     received = comm_data(kc, comm_id, lambda r: any(m["type"] == "notice" for m in r))
     assert "no session is running" in [m for m in received if m["type"] == "notice"][0]["text"]
     assert "4" in run(kc, "print(2 + 2)")["text"]
+
+
+def stall_report(tmp_path, seconds: float = 2.0, line: int = 2) -> stall.StallReport:
+    """Rank 0 in all_reduce at line `line` of a user's file, rank 1 in barrier (no stack read)."""
+    source = tmp_path / "train.py"
+    source.write_text("import torch.distributed as dist\ndist.all_reduce(t)\ndist.barrier()\n")
+    frame = stall.Frame(str(source), line, "step")
+    all_reduce = watch_probe.Collective("all_reduce", "default", 3, ((4,),), ("Float",))
+    ranks = [
+        stall.RankWhere(0, "waiting", (all_reduce,), threads=(stall.Thread("Thread 0x1", (frame,)),)),
+        stall.RankWhere(1, "waiting", (watch_probe.Collective("barrier", "default", 3),)),
+    ]
+    return stall.build(seconds, ranks)
+
+
+def sent(fake: FakeComm) -> list:
+    return [json.loads(m) for m in fake.messages]
+
+
+@pytest.mark.timeout(30)
+def test_a_stall_goes_with_its_sentence_and_ranks_its_text_only_when_it_changed(tmp_path, monkeypatch):
+    page = FakeComm()
+    monkeypatch.setitem(comm._comms, "page", page)
+    sink = comm.CommSink()
+    sink.handle(ev.LaunchStarted(num_processes=2, start_method="fork", world_size=2))
+    for rank in (0, 1):
+        sink.handle(ev.RankStarted(rank, 100 + rank))
+    sink.handle(ev.RankOutput(0, "stdout", "ready"))
+    report = stall_report(tmp_path)
+    sink.handle(ev.LaunchStalled(report))
+    messages = sent(page)
+    stalled = messages[-1]
+    assert stalled["event"] == "LaunchStalled" and stalled["launch"] == sink.launch
+    assert messages[-2]["event"] == "RankOutput"  # the lines before it arrive first
+    fields = stalled["stall"]
+    assert fields["sentence"] == report.sentence and report.sentence.startswith("stalled for 2 s: ")
+    assert fields["stalled"] is True and fields["seconds"] == 2.0
+    doing = f"waits in all_reduce #3 (float32[4]) at {tmp_path}/train.py, line 2, in step"
+    assert fields["ranks"] == [
+        {"rank": 0, "state": "waiting", "doing": doing},
+        {"rank": 1, "state": "waiting", "doing": "waits in barrier #3"},
+    ]
+    assert fields["text"] == report.text() and "dist.all_reduce(t)" in fields["text"]
+    assert set(stalled) == {"type", "launch", "event", "time", "stall"}  # not the report's frames and threads
+    assert sink.model.stall is report  # the panel's model folds it too
+
+    sink.handle(ev.LaunchResumed())
+    assert sent(page)[-1]["event"] == "LaunchResumed" and sent(page)[-1]["stall"] is None
+    assert sink.model.stall is None
+
+    # The same report again: its text is not sent again, unless a page opened since needs it.
+    sink.handle(ev.LaunchStalled(stall_report(tmp_path)))
+    assert "text" not in sent(page)[-1]["stall"] and sent(page)[-1]["stall"]["sentence"] == report.sentence
+    other = FakeComm()
+    monkeypatch.setitem(comm._comms, "other", other)
+    sink.handle(ev.LaunchStalled(stall_report(tmp_path)))
+    assert sent(other)[-1]["stall"]["text"] == report.text()
+    # Another report (a longer stall, another line): its text; a huge one is cut.
+    monkeypatch.setattr(comm, "STALL_TEXT", 40)
+    longer = stall_report(tmp_path, seconds=9.0, line=3)
+    sink.handle(ev.LaunchStalled(longer))
+    fields = sent(page)[-1]["stall"]
+    assert fields["sentence"].startswith("stalled for 9 s: ") and fields["seconds"] == 9.0
+    assert fields["text"].startswith(longer.text()[:40]) and fields["text"].endswith(" bytes cut")
+    sink.close()

@@ -93,6 +93,12 @@ function activate(
     }
   });
 
+  let drawnFor: NotebookPanel | null = null; // the notebook the sidebar shows
+  const openFolds = () =>
+    new Set(
+      Array.from(sidebar.node.querySelectorAll<HTMLElement>('details[data-fold][open]'), d => d.dataset.fold ?? '')
+    );
+
   const draw = () => {
     const panel = tracker.currentWidget;
     const link = linkOf(panel);
@@ -112,7 +118,11 @@ function activate(
     if (pressed && Date.now() - pressedAt < 2000) {
       heldDraw = true; // (a press whose pointerup never came holds nothing for long)
     } else {
-      sidebar.node.innerHTML = renderPanel(link?.model ?? new LaunchModel(), panel?.title.label ?? 'no notebook');
+      // A fold (a stall's report) the person opened stays open across redraws, in its notebook.
+      const open = drawnFor === panel ? openFolds() : new Set<string>();
+      drawnFor = panel;
+      const title = panel?.title.label ?? 'no notebook';
+      sidebar.node.innerHTML = renderPanel(link?.model ?? new LaunchModel(), title, Date.now(), open);
     }
   };
   // Elapsed times move while a launch runs.

@@ -80,6 +80,22 @@ export interface RankView {
   peaks?: RankPeaks; // once it ended
 }
 
+/** One rank in a stall report (comm.py's stall_fields): "waiting", "running", "returned", ... */
+export interface StallRank {
+  rank: number;
+  state: string;
+  doing: string; // "waits in all_reduce #3 (float32[4]) at Cell In[5], line 3, in f"
+}
+
+/** The stall going on (LaunchStalled), until a rank moves (LaunchResumed). */
+export interface StallView {
+  sentence: string;
+  stalled: boolean; // some rank waits in a collective (else: no progress, in none)
+  seconds: number;
+  ranks: StallRank[];
+  text: string; // the whole report: each rank's stacks ('' if the kernel sent none)
+}
+
 export interface LaunchView {
   id: number;
   startedAt: number;
@@ -89,6 +105,8 @@ export interface LaunchView {
   ranks: Map<number, RankView>;
   notice?: string; // "waiting for the other nodes ...", until a rank starts
   finished?: { ok: boolean; seconds: number; stopped: string; failedRanks: number[] };
+  stall?: StallView; // kept once the launch ended, as the launch panel keeps it: it says why
+  stallText?: string; // the report text last sent: the kernel sends it again only when it changes
 }
 
 export const KEEP_LAUNCHES = 5;
@@ -200,6 +218,13 @@ export class LaunchModel {
       case 'RankStopped':
         endRank(rankOf(launch, msg.rank, now), 'stopped', msg.reason ?? '', now);
         return true;
+      case 'LaunchStalled':
+        launch.stall = stallOf(msg.stall, launch.stallText);
+        launch.stallText = launch.stall?.text ?? launch.stallText;
+        return true;
+      case 'LaunchResumed':
+        launch.stall = undefined;
+        return true;
       case 'LaunchFinished':
         launch.finished = {
           ok: !!msg.ok,
@@ -284,6 +309,22 @@ function endRank(r: RankView, state: RankState, detail: string, now: number, msg
   if (msg) {
     r.peaks = { rss: num(msg.peak_rss), deviceMemory: num(msg.peak_device_memory) };
   }
+}
+
+function stallOf(s: any, lastText: string | undefined): StallView | undefined {
+  if (!s || typeof s !== 'object' || typeof s.sentence !== 'string') {
+    return undefined;
+  }
+  const ranks: StallRank[] = (Array.isArray(s.ranks) ? s.ranks : [])
+    .filter((r: any) => r && typeof r.rank === 'number')
+    .map((r: any) => ({ rank: r.rank, state: String(r.state ?? ''), doing: String(r.doing ?? '') }));
+  return {
+    sentence: s.sentence,
+    stalled: s.stalled === true,
+    seconds: num(s.seconds) ?? 0,
+    ranks,
+    text: typeof s.text === 'string' ? s.text : lastText ?? ''
+  };
 }
 
 function num(value: unknown): number | null {

@@ -1,6 +1,6 @@
 // The sidebar's HTML from a LaunchModel. Plain strings (every value escaped) so node can test it.
 
-import { formatBytes, formatSeconds, LaunchModel, LaunchView, RankView, SessionView } from './model';
+import { formatBytes, formatSeconds, LaunchModel, LaunchView, RankView, SessionView, StallRank } from './model';
 
 export const SHOWN_LINES = 5;
 
@@ -184,21 +184,51 @@ function usageLine(r: RankView): string {
   return parts.length ? `<div class="nacc-x-usage">${parts.join(' · ')}</div>` : '';
 }
 
-function renderRank(r: RankView, now: number): string {
+/** `stalled`: where the stall report says this rank is; marked only while the rank runs (as the
+ * kernel's launch model marks it), since a rank's end says more. */
+function renderRank(r: RankView, now: number, stalled?: StallRank): string {
   const lines = r.lines.slice(-SHOWN_LINES);
   const text = lines.map(l => `<div class="nacc-x-line nacc-x-${esc(l.stream)}">${esc(l.text)}</div>`).join('');
   const dropped = r.dropped + r.lines.length - lines.length;
   const more = dropped > 0 ? `<div class="nacc-x-muted">${dropped} earlier lines not shown</div>` : '';
-  const detail = r.detail ? `<div class="nacc-x-detail">${esc(r.detail)}</div>` : '';
+  const stall = r.state === 'running' ? stalled : undefined;
+  const detail =
+    (stall ? `<div class="nacc-x-detail nacc-x-stalled">stalled: ${esc(stall.doing)}</div>` : '') +
+    (r.detail ? `<div class="nacc-x-detail">${esc(r.detail)}</div>` : '');
+  const mark = stall ? ' <span class="nacc-x-stall-mark" title="no progress: see the report above">stalled</span>' : '';
   return (
-    `<tr class="nacc-x-rank" data-rank="${r.rank}" data-state="${r.state}">` +
-    `<td>${r.rank}</td><td><span class="nacc-x-state nacc-x-${r.state}">${r.state}</span></td>` +
+    `<tr class="nacc-x-rank" data-rank="${r.rank}" data-state="${r.state}"${stall ? ' data-stalled="1"' : ''}>` +
+    `<td>${r.rank}</td><td><span class="nacc-x-state nacc-x-${r.state}">${r.state}</span>${mark}</td>` +
     `<td>${r.pid ?? '-'}</td><td>${formatSeconds(rankElapsed(r, now))}</td></tr>` +
     `<tr class="nacc-x-output"><td colspan="4">${usageLine(r)}${detail}${more}${text}</td></tr>`
   );
 }
 
-export function renderLaunch(launch: LaunchView, now: number, current: boolean): string {
+/** The stall's sentence on the launch's card, and the whole report folded. `open`: the folds
+ * (data-fold) the person opened, kept open across redraws. */
+function renderStall(launch: LaunchView, open: ReadonlySet<string>): string {
+  const s = launch.stall;
+  if (!s) {
+    return '';
+  }
+  const fold = `stall-${launch.id}`;
+  const report = s.text
+    ? `<details class="nacc-x-stall-report" data-fold="${fold}"${open.has(fold) ? ' open' : ''}>` +
+      `<summary>where each rank is</summary><pre class="nacc-x-stall-text">${esc(s.text)}</pre></details>`
+    : '';
+  return (
+    `<div class="nacc-x-stall" data-stalled="${s.stalled ? 1 : 0}">` +
+    `<div class="nacc-x-stall-sentence"><span class="nacc-x-stall-icon" aria-hidden="true">⚠</span> ` +
+    `${esc(s.sentence)}</div>${report}</div>`
+  );
+}
+
+export function renderLaunch(
+  launch: LaunchView,
+  now: number,
+  current: boolean,
+  open: ReadonlySet<string> = new Set()
+): string {
   const f = launch.finished;
   const state = !f ? 'running' : f.stopped ? 'stopped' : f.ok ? 'done' : 'failed';
   const took = f ? formatSeconds(f.seconds) : formatSeconds((now - launch.startedAt) / 1000);
@@ -207,15 +237,18 @@ export function renderLaunch(launch: LaunchView, now: number, current: boolean):
   const stop =
     current && !f ? '<button class="jp-Button nacc-x-stop" data-action="stop">Stop</button>' : '';
   const ranks = [...launch.ranks.values()].sort((a, b) => a.rank - b.rank);
+  const where = new Map((launch.stall?.ranks ?? []).map(w => [w.rank, w]));
   return (
-    `<div class="nacc-x-launch" data-launch="${launch.id}" data-state="${state}">` +
+    `<div class="nacc-x-launch" data-launch="${launch.id}" data-state="${state}"` +
+    `${launch.stall ? ' data-stalled="1"' : ''}>` +
     `<div class="nacc-x-launch-head"><span>Launch ${launch.id}: ${launch.numProcesses || ranks.length} ` +
     `processes${how}</span> <span class="nacc-x-state nacc-x-${state}">${state}</span> ` +
     `<span class="nacc-x-muted">${took}</span>${stop}</div>` +
     (f?.stopped ? `<div class="nacc-x-detail">${esc(f.stopped)}</div>` : '') +
     (!f && launch.notice ? `<div class="nacc-x-detail nacc-x-notice">${esc(launch.notice)}</div>` : '') +
+    renderStall(launch, open) +
     '<table class="nacc-x-table nacc-x-ranks"><tr><th>rank</th><th>state</th><th>pid</th><th>elapsed</th></tr>' +
-    ranks.map(r => renderRank(r, now)).join('') +
+    ranks.map(r => renderRank(r, now, where.get(r.rank))).join('') +
     '</table></div>'
   );
 }
@@ -270,9 +303,15 @@ export function renderSessions(model: LaunchModel): string {
   return start + model.sessions.map(s => renderSession(s, s === live)).join('');
 }
 
-export function renderPanel(model: LaunchModel, title: string, now: number = Date.now()): string {
+/** `open`: the data-fold names of the <details> the person opened (the sidebar redraws every second). */
+export function renderPanel(
+  model: LaunchModel,
+  title: string,
+  now: number = Date.now(),
+  open: ReadonlySet<string> = new Set()
+): string {
   const launches = model.launches.length
-    ? model.launches.map((l, i) => renderLaunch(l, now, i === 0)).join('')
+    ? model.launches.map((l, i) => renderLaunch(l, now, i === 0, open)).join('')
     : '<div class="nacc-x-muted">No launch yet.</div>';
   const refresh = model.connected
     ? '<button class="jp-Button nacc-x-refresh" data-action="refresh">Refresh</button>'

@@ -247,3 +247,36 @@ test('the summary ends with the precision a launch would use: the config\'s, els
   } as any;
   assert.equal(hardwareSummary(gpus, 2), '8 x H100 · MULTI_GPU · bf16');
 });
+
+const STALL = {
+  sentence: 'stalled for 2 s: rank 0 waits in all_reduce #1 (float32[4]); rank 1 waits in barrier #1',
+  stalled: true,
+  seconds: 2.1,
+  ranks: [
+    { rank: 0, state: 'waiting', doing: 'waits in all_reduce #1 (float32[4]) at Cell In[2], line 6, in f' },
+    { rank: 1, state: 'waiting', doing: 'waits in barrier #1 at Cell In[2], line 8, in f' }
+  ],
+  text: 'stalled for 2 s: ...\n\nrank 0: waits in all_reduce #1'
+};
+
+test('a stall: kept until LaunchResumed; its text, sent only when it changed, is remembered', () => {
+  const model = new LaunchModel();
+  model.apply(ev('LaunchStarted', { num_processes: 2, start_method: 'fork' }), 0);
+  model.apply(ev('LaunchStalled', { stall: STALL }), 10);
+  const stall = () => model.current!.stall; // read again: assert.equal narrows what it checked
+  assert.equal(stall()?.sentence, STALL.sentence);
+  assert.equal(stall()?.stalled, true);
+  assert.deepEqual(stall()?.ranks.map(r => r.rank), [0, 1]);
+  assert.equal(stall()?.text, STALL.text);
+  model.apply(ev('LaunchResumed', { stall: null }), 20);
+  assert.equal(stall(), undefined);
+  const { text, ...again } = STALL; // the same report again: the kernel leaves its text out
+  model.apply(ev('LaunchStalled', { stall: { ...again, stalled: false } }), 30);
+  assert.equal(stall()?.text, text);
+  assert.equal(stall()?.stalled, false);
+  model.apply(ev('LaunchStalled', { stall: null }), 40); // nothing usable: no stall
+  assert.equal(stall(), undefined);
+  model.apply(ev('LaunchStalled', { stall: STALL }), 50);
+  model.apply(ev('LaunchFinished', { ok: false, seconds: 8, stopped: 'timed out', failed_ranks: [] }), 60);
+  assert.equal(stall()?.sentence, STALL.sentence); // a stall that ended the launch stays: it says why
+});

@@ -238,3 +238,47 @@ test('an FSDP launch says so in its header; a plain one does not', () => {
   const html = renderPanel(model, 'nb.ipynb', 100);
   assert.equal((html.match(/nacc-x-fsdp/g) ?? []).length, 1); // launch 1's only
 });
+
+test('a stall: the sentence on the launch, stalled ranks marked while they run, the report folded', () => {
+  const model = new LaunchModel();
+  model.apply({ type: 'hello', hardware: { accelerators: [] }, preview: null });
+  model.apply({ type: 'event', launch: 3, event: 'LaunchStarted', num_processes: 2, start_method: 'fork' }, 0);
+  for (const rank of [0, 1]) {
+    model.apply({ type: 'event', launch: 3, event: 'RankStarted', rank, pid: 10 + rank }, 0);
+  }
+  const stall = {
+    sentence: 'stalled for 2 s: rank 0 waits in all_reduce #1 (float32[4]); rank 1 waits in <barrier> #1',
+    stalled: true,
+    seconds: 2,
+    ranks: [
+      { rank: 0, state: 'waiting', doing: 'waits in all_reduce #1 (float32[4]) at Cell In[2], line 6, in f' },
+      { rank: 1, state: 'waiting', doing: 'waits in barrier #1' }
+    ],
+    text: 'rank 0: waits in all_reduce #1\nThread 0x1:\n  Cell In[2], line 6, in f\n    dist.all_reduce(t)'
+  };
+  model.apply({ type: 'event', launch: 3, event: 'LaunchStalled', stall }, 2000);
+  let html = renderPanel(model, 'nb.ipynb', 2500);
+  assert.match(html, /class="nacc-x-launch" data-launch="3" data-state="running" data-stalled="1"/);
+  assert.match(html, /<div class="nacc-x-stall" data-stalled="1"><div class="nacc-x-stall-sentence">.*stalled for 2 s: rank 0 waits in all_reduce #1 \(float32\[4\]\); rank 1 waits in &lt;barrier&gt; #1<\/div>/);
+  assert.match(html, /<details class="nacc-x-stall-report" data-fold="stall-3"><summary>where each rank is<\/summary><pre class="nacc-x-stall-text">rank 0: waits in all_reduce #1\nThread 0x1:\n  Cell In\[2\], line 6, in f\n    dist\.all_reduce\(t\)<\/pre><\/details>/);
+  assert.equal((html.match(/class="nacc-x-rank" data-rank="\d" data-state="running" data-stalled="1"/g) ?? []).length, 2);
+  assert.match(html, /stalled: waits in all_reduce #1 \(float32\[4\]\) at Cell In\[2\], line 6, in f/);
+  assert.equal((html.match(/nacc-x-stall-mark/g) ?? []).length, 2);
+  // A fold the person opened stays open when the sidebar redraws.
+  assert.match(renderPanel(model, 'nb.ipynb', 2500, new Set(['stall-3'])), /data-fold="stall-3" open>/);
+
+  // Rank 1 stopped: no longer marked; once resumed, nothing of the stall is shown.
+  model.apply({ type: 'event', launch: 3, event: 'RankStopped', rank: 1, reason: 'stopped' }, 2600);
+  html = renderPanel(model, 'nb.ipynb', 2700);
+  assert.equal((html.match(/data-stalled="1"/g) ?? []).length, 3); // the launch, its block and rank 0
+  assert.doesNotMatch(html, /stalled: waits in barrier/);
+  model.apply({ type: 'event', launch: 3, event: 'LaunchResumed', stall: null }, 3000);
+  html = renderPanel(model, 'nb.ipynb', 3500);
+  assert.doesNotMatch(html, /stall/);
+
+  // A report without text (a page that missed it): the sentence, no fold.
+  model.apply({ type: 'event', launch: 4, event: 'LaunchStalled', stall: { ...stall, text: undefined } }, 4000);
+  html = renderPanel(model, 'nb.ipynb', 4500);
+  assert.match(html, /data-launch="4"[^>]*data-stalled="1"/);
+  assert.doesNotMatch(html, /data-fold="stall-4"/);
+});

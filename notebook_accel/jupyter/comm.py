@@ -7,6 +7,10 @@ then every launch's events go to all open comms through `CommSink`, and every ch
 kernel's interactive session (start, restart, stop; jupyter/kernel_session.py calls `notify_session`) goes
 as {"type": "session", "id", "state", "workers", "start_method", "ranks": [{rank, pid, state, device}]}.
 
+A stall (launch/watch.py) goes as the LaunchStalled event with "stall": {"sentence", "stalled",
+"seconds", "ranks": [{rank, state, doing}], "text"} ("text", the whole report, only when it differs
+from the last one sent), and LaunchResumed with "stall": null.
+
 The front end may send {"type": "stop"} (stop the running launch), {"type": "refresh"} (a new
 hello), {"type": "restart"} (restart the session's workers) or {"type": "stop_session"}. These
 arrive on busy.py's side shell thread; the two session ones are refused with a
@@ -23,6 +27,8 @@ import time
 from typing import Optional
 
 from ..launch import events as ev
+from ..launch.frontend import label_traceback
+from ..launch.lines import cut
 from ..launch.sinks import Sink
 from .launch_model import LaunchModel
 
@@ -36,6 +42,8 @@ _control = None  # the running launch's control, set by CommSink.attach
 _session_op = threading.Lock()  # held while the sidebar restarts or stops the session
 _cells_running = 0  # cells on the kernel's shell between pre_execute and post_execute
 _last_ranks: dict = {}  # session id -> the ranks last sent, to show who was stopped
+# A stall report's text is cut to this: many ranks' stacks must not make one huge comm message.
+STALL_TEXT = 32 << 10
 
 
 def register_comm_target(ipython) -> bool:
@@ -280,6 +288,19 @@ def _broadcast(message: dict) -> None:
             sys.__stderr__.write(f"notebook_accel: comm send failed: {exc!r}\n")
 
 
+def stall_fields(report) -> dict:
+    """A stall report (launch/stall.py) for the sidebar, without its text: the sentence, and what
+    each rank does ("waits in all_reduce #3 (float32[4]) at Cell In[5], line 3, in f")."""
+    return {
+        "sentence": report.sentence,
+        "stalled": bool(report.stalled),
+        "seconds": report.seconds,
+        "ranks": [
+            {"rank": r.rank, "state": r.state, "doing": r.doing(label_traceback)} for r in report.ranks
+        ],
+    }
+
+
 class CommSink(Sink):
     """Forwards one launch's events to the open comms as {"type": "event", "launch": id, "event": name, ...}.
 
@@ -295,6 +316,7 @@ class CommSink(Sink):
         self.model = LaunchModel(max_lines)
         self._sent: dict = {}  # rank -> (lines counted so far, the transient lines last sent)
         self._control = None
+        self._stall_sent = (None, frozenset())  # (the report text last sent, the comms it went to)
         self._send_lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -308,12 +330,29 @@ class CommSink(Sink):
         if isinstance(event, ev.RankOutput):
             self._start_flusher()
             return
-        fields = dataclasses.asdict(event)
+        if isinstance(event, ev.LaunchStalled):
+            fields = {"stall": self._stall(event.report)}
+        elif isinstance(event, ev.LaunchResumed):
+            fields = {"stall": None}
+        else:
+            fields = dataclasses.asdict(event)
         if isinstance(event, ev.RankFailed):
             fields["summary"] = event.summary()
         with self._send_lock:  # lines before a rank's end must arrive before it, even mid-flush
             self.flush()
             self._send(type(event).__name__, fields)
+
+    def _stall(self, report) -> dict:
+        fields = stall_fields(report)
+        text = cut(report.text(), STALL_TEXT)
+        with _lock:
+            listening = frozenset(_comms)
+        last, told = self._stall_sent
+        # A repeated report's text is known to every page that got it; a page opened since needs it.
+        if text != last or not listening <= told:
+            fields["text"] = text
+            self._stall_sent = (text, listening)
+        return fields
 
     def flush(self) -> None:
         # _send_lock spans take-and-send, so the flusher thread cannot send lines after an event

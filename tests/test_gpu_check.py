@@ -17,6 +17,7 @@ CHECKS = [
     "results_arrive_on_cpu_and_gpu_ids_choose",
     "rank_device_memory_sampled_through_nvml",
     "fsdp_cpu_offload_and_bf16_hook_on_two_gpus",
+    "stall_report_names_the_nccl_collective",
     "training_step_fp32",
     "training_step_bf16",
     "training_step_fp16",

@@ -116,6 +116,34 @@ def hold_device_memory(mib, seconds):
     return {"rank": PartialState().process_index, "pid": os.getpid(), "held": int(block.numel())}
 
 
+def nccl_stall(two_gpus, shape):
+    # Rank 0 is in an NCCL all_reduce that never completes, rank 1 in a barrier: the stall watch's case.
+    import time
+    state = PartialState()
+    if two_gpus:
+        group, device = None, state.device
+    else:
+        # nccl refuses two ranks on one GPU: the ranks are gloo, and rank 0 alone is an NCCL group.
+        group, device = dist.new_group([0], backend="nccl", group_desc="nccl_rank0"), torch.device("cuda", 0)
+    if state.process_index == 0:
+        torch.cuda.set_device(device)
+        dist.all_reduce(torch.ones(1, device=device), group=group)  # the communicator exists before the stall
+        torch.cuda.synchronize()
+        tensor = torch.ones(shape, device=device)
+        if not two_gpus:
+            torch.cuda._sleep(120_000_000_000)  # about a minute of spinning: the all_reduce waits behind it
+        print("ready", flush=True)
+        dist.all_reduce(tensor, group=group)
+        torch.cuda.synchronize()  # NCCL returns at once: a rank blocks where it reads the result
+    else:
+        if two_gpus:
+            dist.all_reduce(torch.ones(1, device=device))
+            torch.cuda.synchronize()
+        print("ready", flush=True)
+        dist.barrier()
+    time.sleep(600)  # had the mismatched pair completed after all, still no return: the report says so
+
+
 def rank_report():
     state = PartialState()
     total = torch.tensor([float(state.process_index + 1)], device=state.device)
@@ -250,6 +278,35 @@ out = {"offload": run(ranks.fsdp_steps, True), "no_offload": run(ranks.fsdp_step
 print("RESULT " + json.dumps(out))
 """
 
+
+STALL_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from notebook_accel import notebook_launcher
+from notebook_accel.launch import ListSink
+from notebook_accel.launch import events as ev
+import _gpu_check_ranks as ranks
+
+two = torch.cuda.device_count() >= 2
+sink = ListSink()
+out = {"two_gpus": two, "error": None, "message": ""}
+try:
+    notebook_launcher(ranks.nccl_stall, (two, json.loads(sys.argv[2])), num_processes=2, use_port="auto",
+                      cpu=not two, stall_after=3, timeout=20, sinks=[sink])
+except Exception as exc:
+    out["error"], out["message"] = type(exc).__name__, str(exc)[-4000:]
+reports = [e.report for e in sink.events if isinstance(e, ev.LaunchStalled)]
+out["reports"] = [{"sentence": r.sentence, "text": r.text(), "seconds": r.seconds,
+                   "ranks": [{"rank": w.rank, "state": w.state, "waiting": [c.describe() for c in w.waiting]}
+                             for w in r.ranks]} for r in reports]
+out["output"] = [[e.rank, e.text] for e in sink.events if isinstance(e, ev.RankOutput)][-20:]
+out["initialized"] = torch.cuda.is_initialized()
+print("RESULT " + json.dumps(out))
+"""
+
+
+STALL_SHAPE = [256, 1024]  # the all_reduce's tensor, to be named in the report
 
 # The line of FORK_CHILD that initialises CUDA: the refusal must name it (`python -c` calls it <string>).
 FORK_CULPRIT_LINE = FORK_CHILD.splitlines().index('torch.zeros(1, device="cuda")') + 1
@@ -427,6 +484,38 @@ def check_two_gpus(tmp: str) -> dict:
             problems.append(f"BF16 hook: rank {r['rank']} {r['type']}, gradients bf16-rounded: {r['grads_bf16_rounded']}")
     return verdict(problems, "FSDP2 cpu_offload keeps shards on the CPU and trains like no offload; the BF16 hook "
                    "rounds all-reduced gradients to bf16", **res)  # fmt: skip
+
+
+def check_nccl_stall(tmp: str) -> dict:
+    """Issue #29 on NCCL: rank 0 waits in an all_reduce its peer never joins, rank 1 in a barrier;
+    launched with stall_after=3 and timeout=20, the LaunchStalled report must name the all_reduce
+    with its shape, and each rank. With one GPU the all_reduce is on an NCCL group of rank 0 alone,
+    kept from completing by a kernel ahead of it (nccl refuses two ranks on one GPU)."""
+    res = _child(STALL_CHILD, tmp, json.dumps(STALL_SHAPE))
+    problems = ["the launching process initialised CUDA"] if res["initialized"] else []
+    if res["error"] != "LaunchTimeoutError":
+        problems.append(f"the launch ended with {res['error'] or 'no error'}, expected LaunchTimeoutError: "
+                        f"{res['message'][-500:]}")  # fmt: skip
+    shape = "float32[" + ", ".join(str(n) for n in STALL_SHAPE) + "]"
+    group = "" if res["two_gpus"] else " of group nccl_rank0"
+    sentence = text = None
+    if not res["reports"]:
+        problems.append(f"no LaunchStalled event; last output {res['output'][-4:]}")
+    else:
+        report = res["reports"][0]
+        sentence, text = report["sentence"], report["text"]
+        rank0 = report["ranks"][0]
+        if not any(w.startswith("all_reduce #") and w.endswith(f"{group} ({shape})") for w in rank0["waiting"]):
+            problems.append(f"rank 0 is {rank0['state']} in {rank0['waiting']}, expected all_reduce{group} ({shape})")
+        wanted = ["rank 0 waits in all_reduce #", f"{group} ({shape})", "rank 1 "]
+        if not res["two_gpus"]:
+            wanted.append("rank 1 waits in barrier #")  # gloo: it cannot complete without rank 0
+        problems += [f"the sentence lacks {word!r}: {sentence}" for word in wanted if word not in sentence]
+        if sentence not in res["message"]:
+            problems.append("the timeout's error does not carry the report's sentence")
+    how = "2 NCCL ranks, one GPU each" if res["two_gpus"] else "one GPU: gloo ranks, rank 0 alone in an NCCL group"
+    return verdict(problems, f"{how}: {sentence}", mode=how, sentence=sentence, report=text,
+                   reports=len(res["reports"]), error=res["error"])  # fmt: skip
 
 
 # -- 4: training steps in this process ------------------------------------------------------------
@@ -759,6 +848,7 @@ def main(argv=None) -> int:
             ("results_arrive_on_cpu_and_gpu_ids_choose", needs_cuda(check_results_and_gpu_ids, tmp)),
             ("rank_device_memory_sampled_through_nvml", needs_cuda(check_rank_device_memory, tmp)),
             ("fsdp_cpu_offload_and_bf16_hook_on_two_gpus", needs_cuda(check_two_gpus, tmp)),
+            ("stall_report_names_the_nccl_collective", needs_cuda(check_nccl_stall, tmp)),
             # Everything below initialises CUDA in this process, so it comes after the fresh children.
             ("training_step_fp32", needs_cuda(check_training, "no", timings)),
             ("training_step_bf16", needs_cuda(check_training, "bf16", timings)),

@@ -237,8 +237,9 @@ class LaunchModel:
             self._finished(event)
 
     def _stalled(self, report) -> None:
-        """Mark the ranks of a stall (`detail` "stalled: ..."), its sentence as the note; None clears."""
-        if self.stall is not None and self.note == self.stall.sentence:
+        """Mark the ranks of a stall (`detail` "stalled: ..."), its head ("stalled for 61 s") as the
+        note; None clears."""
+        if self.stall is not None and self.note == self.stall.sentence.split(":", 1)[0]:
             self.note = ""
         for r in self.ranks.values():
             if r.state == "running" and r.detail.startswith(STALLED):
@@ -246,7 +247,7 @@ class LaunchModel:
         self.stall = report
         if report is None:
             return
-        self.note = report.sentence
+        self.note = report.sentence.split(":", 1)[0]  # "stalled for 61 s": the sentence is drawn below
         for where in report.ranks:
             r = self.ranks.get(where.rank)
             if r is not None and r.state == "running":
@@ -254,7 +255,7 @@ class LaunchModel:
 
     def _finished(self, event: ev.LaunchFinished) -> None:
         self.seconds = event.seconds
-        if self.stall is not None and self.note == self.stall.sentence:
+        if self.stall is not None and self.note == self.stall.sentence.split(":", 1)[0]:
             self.note = ""  # the failure or the stop says what ended it; the report stays in `stall`
         if event.stopped:
             self.state, self.note = "stopped", event.stopped

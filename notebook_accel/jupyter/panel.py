@@ -210,7 +210,7 @@ class LaunchPanel(Sink):
         self.stop_button.on_click(self._on_stop)
         stop: widgets.Widget = self.stop_button
         self.stacks_button = widgets.Button(
-            description="Stacks", icon="search", disabled=True, tooltip="Where each rank is now: its stacks and collective"
+            description="Stacks", disabled=True, tooltip="Where each rank is now: its stacks and collective"
         )
         self.stacks_button.add_class("nacc-stacks")
         self.stacks_button.on_click(self._on_stacks)

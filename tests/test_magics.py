@@ -307,7 +307,7 @@ def test_unpicklable_global_is_named_before_anything_starts(cells):
 
 def test_bad_arguments_and_commands_get_usage_errors(cells):
     assert "must be a whole number, got 'zero'" in _text(cells["bad_n"], "stderr")
-    assert "expected one of hardware, env, config, start, stop, restart, status, push, pull, auto, got 'fly'" in _text(cells["bad_line"], "stderr")
+    assert "expected one of hardware, env, config, start, stop, restart, status, push, pull, auto, debug, got 'fly'" in _text(cells["bad_line"], "stderr")
     error = _error(cells["missing_out"])
     assert error is not None and "--out names 'nowhere'" in error.evalue
 

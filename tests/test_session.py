@@ -417,15 +417,19 @@ def test_ranks_left_running_after_a_failure_are_named(lines, monkeypatch):
     from notebook_accel.session import manager
 
     monkeypatch.setattr(manager, "STRANDED_NOTICE_S", 1.0)
-    told = []
+    told, reports = [], []
     with Session(2, cpu=True, on_output=lines) as s:
         s.on_stranded = lambda failed, running: told.append((failed, running))
+        s.on_stall = lambda event: reports.append(event.report)
         cell = DIST + "if dist.get_rank() == 1:\n    raise ValueError('rank 1 gives up')\ndist.all_reduce(torch.ones(1))"
         with pytest.raises(SessionTimeout) as caught:
             s.run_cell(cell, timeout=6)
         assert told == [([1], [0])]
         assert caught.value.replies[1].error["exc_type"] == "ValueError"
-    assert "they will not return" in manager.stranded_text([1], [0])
+    # Said as the stall watch says it: where the others wait, and what to do.
+    (report,) = reports
+    assert report.sentence.startswith("stalled 1 s after a failure: rank 1 failed this cell; rank 0 waits in all_reduce #")
+    assert "(float32[1])" in report.sentence and "interrupt the cell" in report.sentence, report.sentence
 
 
 @pytest.mark.timeout(60)
@@ -436,6 +440,7 @@ def test_no_notice_when_every_rank_fails_or_none_waits(lines, monkeypatch):
     told = []
     with Session(2, cpu=True, on_output=lines) as s:
         s.on_stranded = lambda failed, running: told.append((failed, running))
+        s.on_stall = told.append
         s.run_cell("import time\nraise ValueError('all give up')")
         s.run_cell("import time, os\ntime.sleep(2 if os.environ['RANK'] == '0' else 0)")  # slow, nobody failed
     assert told == []

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import re
 import threading
 from collections import deque
 from typing import Optional
 
 from ..launch import frontend
-from ..launch.events import LaunchNotice
 from ..launch.sinks import Fanout
 from ..session import Session, SessionTimeout, WorkerDied, parse_ranks
 from ..session.cell_events import CellEvents
-from ..session.manager import stranded_text
 from . import cell_jobs
 
 PANEL_AFTER_S = 0.5  # a silent session cell shows its launch panel (with Stop) after this long
@@ -136,9 +135,9 @@ class KernelSession:
         )
         self.session.owner = self
         self.session.tick = self._pump
-        self.session.on_stranded = self._stranded
         self.session.on_stall = self._stall
         self.cell: Optional[CellEvents] = None  # the running cell's events; main thread only
+        self.last_failed: tuple = ()  # the ranks the last session cell failed on: `%accelerate debug`'s default
 
     @property
     def world(self) -> int:
@@ -155,11 +154,6 @@ class KernelSession:
             cell.output(*line)
         cell.sample()  # each rank's RSS and CPU, at most once a second
         cell.sink.poll()  # a quiet cell's panel appears once the cell has run a while
-
-    def _stranded(self, failed: list, running: list) -> None:
-        cell = self.cell
-        if cell is not None:  # the waiting (main) thread: the panel says it, as a launch's notice
-            cell.sink.handle(LaunchNotice(stranded_text(failed, running)))
 
     def _stall(self, event) -> None:
         cell = self.cell
@@ -181,6 +175,7 @@ class KernelSession:
         stop = _Stop(self.session, targets)
         sink.attach(stop)
         cell = self.cell = CellEvents(sink, targets, world, pids, fsdp=self.session.fsdp_on)
+        self.last_failed = ()
         self._pump()  # output that arrived between cells belongs to no cell: show it here
         try:
             replies = self.session.run_cell(
@@ -198,7 +193,7 @@ class KernelSession:
         except BaseException:
             self._end(cell, {}, "failed")
             raise
-        failed = cell.replies(replies)
+        failed = self.last_failed = cell.replies(replies)
         self._end(cell, replies, stop.reason, failed=failed)
         if stop.reason:
             raise SessionCellStopped(f"{stop.reason}: the ranks were interrupted; the session goes on")
@@ -224,6 +219,18 @@ class KernelSession:
             publish_display_data(bundle)
         if reply.result:
             publish_display_data(reply.result)
+
+    # -- pdb on a failed rank -------------------------------------------------------------------
+    def debug(self, rank: int) -> None:
+        """`%accelerate debug RANK`: pdb on the rank's last failed cell, in the running cell. Its
+        output is printed here; each prompt is the kernel's input(), which the front end answers."""
+        import builtins
+
+        def write(text: str) -> None:
+            if text:
+                print(_relabel_cell_files(text), end="", flush=True)
+
+        self.session.debug(rank, lambda prompt: builtins.input(prompt), write)
 
     # -- lifetime -------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -259,6 +266,24 @@ def _failure_text(replies: dict, failed: tuple, filename: str, label: str) -> st
         lines += ["", f"Traceback from {who}:", text]
     lines += ["", "The session goes on: the workers keep their state."]
     return "\n".join(lines)
+
+
+_PY_PATH = re.compile(r"/[^\s()\"':]+\.py")
+
+
+def _relabel_cell_files(text: str) -> str:
+    """A notebook cell's file, as pdb names it (`/tmp/ipykernel_1/123.py(4)f()`), as `Cell In[5]`."""
+    from IPython import get_ipython
+
+    label = getattr(getattr(get_ipython(), "compile", None), "format_code_name", None)
+    if label is None:
+        return text
+
+    def one(match):
+        named = label(match.group(0))
+        return f"{named[0]} {named[1]}" if named else match.group(0)
+
+    return _PY_PATH.sub(one, text)
 
 
 # -- %accelerate start/stop/... -------------------------------------------------------------------

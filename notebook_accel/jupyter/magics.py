@@ -19,7 +19,7 @@ from . import cell_jobs
 
 START_METHODS = ("fork", "spawn", "forkserver")
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
-LINE_COMMANDS = ("hardware", "env", "config", "start", "stop", "restart", "status", "push", "pull", "auto")
+LINE_COMMANDS = ("hardware", "env", "config", "start", "stop", "restart", "status", "push", "pull", "auto", "debug")
 # Options that shape a fresh launch; a running session already has its workers.
 LAUNCH_ONLY = (
     "num_processes",
@@ -173,7 +173,7 @@ class AccelerateMagics(Magics):
     @line_magic("accelerate")
     def accelerate_line(self, line: str):
         """%accelerate hardware | env | config | start [-n N ...] | stop | restart | status |
-        push NAME... [--ranks R] | pull NAME [--rank R] | auto on|off"""
+        push NAME... [--ranks R] | pull NAME [--rank R] | auto on|off | debug [RANK]"""
         words = shlex.split(line)
         if not words or words[0] not in LINE_COMMANDS:
             raise UsageError(
@@ -298,6 +298,32 @@ class AccelerateMagics(Magics):
         session.set_auto(self.shell, rest == ["on"])
         print("auto mode on: every cell runs on the workers" if rest == ["on"] else "auto mode off")
 
+    def _cmd_debug(self, rest: list):
+        from IPython.core.error import StdinNotImplementedError
+
+        ks = self._session("debug")
+        if len(rest) > 1 or (rest and not rest[0].lstrip("-").isdigit()):
+            raise UsageError(f"%accelerate debug: one rank number, e.g. %accelerate debug 1; got {' '.join(rest)!r}")
+        if not rest and not ks.last_failed:
+            raise UsageError("%accelerate debug: the last session cell failed on no rank; name one: %accelerate debug RANK")
+        rank = int(rest[0]) if rest else ks.last_failed[0]
+        if not 0 <= rank < ks.world:
+            raise UsageError(
+                f"%accelerate debug: rank {rank} does not exist; the session's ranks are 0..{ks.world - 1}"
+            )
+        if not rest:
+            print(f"rank {rank}, the first rank the last session cell failed on:")
+        try:
+            ks.debug(rank)
+        except StdinNotImplementedError:
+            raise UsageError(
+                "%accelerate debug: this front end does not answer input(), which the debugger reads commands with"
+            ) from None
+        except (ValueError, SessionError) as exc:
+            raise UsageError(f"%accelerate debug: {exc}") from None
+        except KeyboardInterrupt:
+            raise DebuggerInterrupted(f"the debugger on rank {rank} ended; the worker keeps its state") from None
+
     def _session(self, what: str):
         from . import kernel_session as session
 
@@ -305,6 +331,10 @@ class AccelerateMagics(Magics):
         if ks is None:
             raise UsageError(f"%accelerate {what}: no session is running (%accelerate start -n N starts one)")
         return ks
+
+
+class DebuggerInterrupted(cell_jobs._ShownShort, KeyboardInterrupt):
+    """The kernel was interrupted during `%accelerate debug`: the worker's pdb has ended."""
 
 
 def _names_and_option(words: list, option: str) -> tuple:

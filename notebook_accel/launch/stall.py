@@ -76,8 +76,8 @@ def parse_stacks(text: str) -> tuple:
 @dataclass(frozen=True)
 class RankWhere:
     """One rank at the time of the report. `state`: "returned", "waiting" (in a collective),
-    "running" (in none), "idle" (a session worker between cells), "unknown" (its server did not
-    answer)."""
+    "running" (in none), "idle" (a session worker between cells), "failed" (its session cell raised),
+    "unknown" (its server did not answer)."""
 
     rank: int
     state: str
@@ -98,6 +98,8 @@ class RankWhere:
             return "returned from the function"
         if self.state == "idle":
             return "is idle (no cell running)"
+        if self.state == "failed":
+            return "failed this cell"
         frame = self.user_frame()
         at = f" at {frame.where(label)}" if frame else ""
         if self.state == "waiting":
@@ -164,6 +166,11 @@ def build(seconds: float, ranks: list, label=None, asked: bool = False) -> Stall
 
 
 def sentence(seconds: float, ranks: tuple, label=None) -> str:
+    if any(r.state == "failed" for r in ranks):  # a session cell: the others wait for the failed ones
+        return (
+            f"stalled {seconds:.0f} s after a failure: " + "; ".join(_grouped(ranks, label)) + ". Ranks waiting "
+            "for a failed one never return by themselves: interrupt the cell (ranks that do not stop are killed)"
+        )
     head = f"no progress for {seconds:.0f} s"
     if not any(r.state == "waiting" for r in ranks):
         parts = _grouped(ranks, label)
@@ -180,7 +187,7 @@ def sentence(seconds: float, ranks: tuple, label=None) -> str:
 def _grouped(ranks: tuple, label) -> list:
     """ "rank 1 waits in barrier #12; ranks 0, 2 wait in all_reduce #12 ..." (waiting ones first)."""
     by_text: dict = {}
-    for r in sorted(ranks, key=lambda r: (r.state != "waiting", r.rank)):
+    for r in sorted(ranks, key=lambda r: (r.state not in ("failed", "waiting"), r.state != "failed", r.rank)):
         by_text.setdefault(r.doing(label), []).append(r.rank)
     out = []
     for text, numbers in by_text.items():

@@ -68,7 +68,7 @@ def snapshot(seconds: float, ranks: list, label=None, seen: Optional[dict] = Non
     seen = seen or {}
     where = []
     for rank, pid, returned in ranks:
-        if returned is True or returned in ("returned", "idle"):
+        if returned is True or returned in ("returned", "idle", "failed"):
             where.append(stall.RankWhere(rank, "returned" if returned is True else returned))
             continue
         found = seen.get(rank) or watch_probe.collectives(pid)

@@ -12,6 +12,7 @@ import linecache
 import sys
 import traceback
 import types
+from typing import Optional
 
 from . import display
 
@@ -26,6 +27,11 @@ class Cells:
         self.namespace["display"] = display.display
         sys.modules["__main__"] = self.module
         self.armed = False
+        self.cells_run = 0
+        # The last cell's exception while no later cell has run, for a post-mortem debugger
+        # (post_mortem.py), as IPython's %debug keeps the last one; `compiled`: it got as far as running.
+        self.failure: Optional[BaseException] = None
+        self.compiled = False
 
     def on_sigint(self, signum, frame) -> None:
         if self.armed:
@@ -35,12 +41,16 @@ class Cells:
     def run(self, source: str, filename: str) -> dict:
         """Run one cell; the reply fields: ok, error, result (a bundle or None), displays."""
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        self.failure = None  # its frames go now: their tensors may be what the next cell needs
+        self.cells_run += 1
+        self.compiled = False
         display.take()
         value = None
         error = None
         try:
             self.armed = True
             body, last = _compile(source, filename)
+            self.compiled = True
             exec(body, self.namespace)
             if last is not None:
                 value = eval(last, self.namespace)
@@ -48,6 +58,7 @@ class Cells:
         except BaseException as exc:  # KeyboardInterrupt and SystemExit end the cell, not the worker
             self.armed = False
             error = error_report(exc)
+            self.failure = exc
         result = None
         try:
             if value is not None:
@@ -55,7 +66,8 @@ class Cells:
                 result = display.bundle(value)
             display.capture_figures(skip=value)
         except Exception as exc:
-            error = error or error_report(exc)
+            if error is None:
+                error, self.failure = error_report(exc), exc
         return {"ok": error is None, "error": error, "result": result, "displays": display.take()}
 
 
@@ -69,10 +81,16 @@ def _compile(source: str, filename: str):
     return compile(tree, filename, "exec"), last
 
 
-def error_report(exc: BaseException) -> dict:
+def user_traceback(exc: BaseException):
+    """`exc`'s traceback from the user's code on: our own frames above it cut off."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next  # the user's code starts below our own frames
+        tb = tb.tb_next
+    return tb
+
+
+def error_report(exc: BaseException) -> dict:
+    tb = user_traceback(exc)
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     kind = type(exc)
     name = (

@@ -177,6 +177,34 @@ class Session:
 
         return cloudpickle.loads(payload)  # its frame's signature was checked on arrival
 
+    def debug(self, rank: int, read_line: Callable[[str], str], write: Callable[[str], None]) -> None:
+        """pdb on the traceback of `rank`'s last cell, if it failed, as IPython's %debug does:
+        `write(text)` gets pdb's output, `read_line(prompt)` is asked for each command (EOFError: the
+        end of input, which quits). Returns once pdb ends; the worker keeps its state. Whatever else
+        `read_line` raises (KeyboardInterrupt) ends the worker's pdb first, then goes on up."""
+        world = len(self._live().workers)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"rank {rank!r} does not exist; the session's ranks are 0..{world - 1}")
+        request = {"type": "debug"}
+        try:
+            while True:
+                header, _ = self._call([rank], request)[rank]
+                if not header["ok"]:
+                    raise SessionError(header["error"]["message"])
+                write(header.get("output") or "")
+                if header.get("finished"):
+                    return
+                try:
+                    line = read_line(header.get("prompt") or "")
+                except EOFError:
+                    line = None
+                request = {"type": "debug_line", "line": line}
+        except (Exception, KeyboardInterrupt) as exc:
+            if not isinstance(exc, SessionError):  # the worker may wait at pdb's prompt: end it
+                with contextlib.suppress(Exception):
+                    self._call([rank], {"type": "debug_line", "line": None})
+            raise
+
     def interrupt(self, ranks=None) -> None:
         """SIGINT to the busy workers among `ranks`: their running cell raises KeyboardInterrupt."""
         pool = self._live()
@@ -276,7 +304,7 @@ class Session:
     def _await(self, pool: WorkerPool, req: Request, timeout: Optional[float], stall_after: float = 0.0) -> None:
         # stall_after: for the stall watch (issue 29); 0.0 (push, pull): not watched
         deadline = None if timeout is None else time.monotonic() + timeout
-        watch = _StrandedWatch(req, self.on_stranded or _warn_stranded, self.tick)
+        watch = _StrandedWatch(pool, req, self.on_stranded, self.on_stall or _print_stall, self.tick)
         if stall_after > 0:
             watch = _CellWatch(pool, req, stall_after, self.on_stall or _print_stall, watch.tick)
         done = pool.wait_until(req.finished, deadline, watch.tick)  # KeyboardInterrupt: see _call
@@ -314,14 +342,15 @@ class Session:
 
 class _StrandedWatch:
     """While a request waits: once some ranks have answered with an error and others still run it
-    STRANDED_NOTICE_S later, tell `report(failed, running)`, once. A rank blocked in a collective
-    with a rank whose cell failed never returns by itself (gloo waits 30 minutes)."""
+    STRANDED_NOTICE_S later, say so once, as the stall watch does (a LaunchStalled report to
+    `on_stall`: where the others wait, and that they never return by themselves; `on_stranded(failed,
+    running)` too where it was set). A rank blocked in a collective with a rank whose cell failed
+    never returns by itself (gloo waits 30 minutes)."""
 
-    def __init__(self, req: Request, report: Callable, tick: Optional[Callable]):
-        self.req, self.report, self.inner = req, report, tick
+    def __init__(self, pool: WorkerPool, req: Request, on_stranded, on_stall: Callable, tick: Optional[Callable]):
+        self.pool, self.req, self.on_stranded, self.on_stall, self.inner = pool, req, on_stranded, on_stall, tick
         self.first_failure: Optional[float] = None
         self.told = False
-        self.step = 0
 
     def tick(self) -> None:
         if self.inner is not None:
@@ -337,7 +366,15 @@ class _StrandedWatch:
         running = self.req.waiting()
         if running and now - self.first_failure >= STRANDED_NOTICE_S:
             self.told = True
-            self.report(failed, running)
+            if self.on_stranded is not None:
+                self.on_stranded(failed, running)
+            from ..launch import frontend
+            from ..launch.events import LaunchStalled
+            from ..launch.watch import snapshot
+
+            workers = self.pool.workers
+            rows = [(r, workers[r].pid, "failed") for r in failed] + [(r, workers[r].pid, None) for r in running]
+            self.on_stall(LaunchStalled(snapshot(now - self.first_failure, rows, frontend.label_traceback)))
 
 
 class _CellWatch:
@@ -375,18 +412,6 @@ def _print_stall(event) -> None:
 
     ConsoleSink().handle(event)
     sys.stderr.flush()
-
-
-def stranded_text(failed: list, running: list) -> str:
-    return (
-        f"rank(s) {failed} failed this cell {STRANDED_NOTICE_S:g} s ago and rank(s) {running} still run it. If "
-        "they wait in a collective (all_reduce, barrier...) for the failed rank(s), they will not return: "
-        "interrupt the cell (Stop, or Ctrl-C / the kernel's interrupt); ranks that do not stop are killed."
-    )
-
-
-def _warn_stranded(failed: list, running: list) -> None:
-    print(f"notebook_accel session: {stranded_text(failed, running)}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

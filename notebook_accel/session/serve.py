@@ -3,7 +3,7 @@
 The launch machinery (launch/child.py) has already taken over fds 1 and 2, left the kernel's
 shell (launch/leave_kernel.py) and set the launch environment; here
 the process group comes up, the worker connects back to the parent, says hello, and then answers
-exec / push / pull messages one at a time. Returning ends the rank (its group is destroyed then).
+exec / push / pull / debug messages one at a time. Returning ends the rank (its group is destroyed then).
 """
 
 from __future__ import annotations
@@ -34,21 +34,48 @@ def serve(port: int, key: bytes) -> int:
     channel = protocol.Channel(sock, key, protocol.TO_PARENT, protocol.TO_WORKER)
     rank = state.process_index
     channel.send({"type": "hello", "rank": rank, "pid": os.getpid(), "device": str(state.device)})
+    pending = None  # a request that reached the debugger instead of a line: served next
     try:
         while True:
+            message, pending = pending, None
             try:
-                message = channel.recv()
+                message = message or channel.recv()
             except protocol.BadFrame as exc:
                 print(f"session worker {rank}: dropped the channel: {exc}", file=sys.stderr)
                 return 1
             if message is None or message[0]["type"] == "stop":
                 return 0
             header, payload = message
-            reply, data = _handle(cells, rank, header, payload)
+            if header["type"] == "debug":
+                rid, reply, pending, lost = _debug(channel, cells, rank, header)
+                if lost == "closed":
+                    return 0
+                if lost:
+                    print(f"session worker {rank}: dropped the channel while debugging: {lost}", file=sys.stderr)
+                    return 1
+                if reply is None:
+                    continue
+                header, data = {**header, "id": rid}, b""
+            else:
+                reply, data = _handle(cells, rank, header, payload)
             flush_output()
             channel.send({"type": "done", "id": header.get("id"), "rank": rank, **reply}, data)
     finally:
         sock.close()
+
+
+def _debug(channel, cells: Cells, rank: int, header: dict):
+    """(id of the request the reply answers, reply or None, a request to serve next, why the channel
+    was lost or None): pdb on the last failed cell, one request per prompt (post_mortem.py)."""
+    from .post_mortem import PostMortem, refusal
+
+    why = refusal(cells, rank)
+    if why is not None:
+        error = {"exc_type": "SessionError", "message": why, "traceback": ""}
+        return header.get("id"), {"ok": False, "error": error}, None, None
+    session = PostMortem(channel, cells, rank, header.get("id"))
+    reply = session.run()
+    return session.id, reply, session.next_message, session.lost
 
 
 def _handle(cells: Cells, rank: int, header: dict, payload: bytes):
@@ -66,6 +93,9 @@ def _handle(cells: Cells, rank: int, header: dict, payload: bytes):
         return {"ok": True, "error": None}, b""
     if kind == "pull":
         return _pull(cells.namespace, rank, header["name"])
+    if kind == "debug_line":  # the kernel ending a debugger that is already over
+        message = f"rank {rank} is not in the debugger"
+        return {"ok": False, "error": {"exc_type": "SessionError", "message": message, "traceback": ""}}, b""
     message = f"unknown message type {kind!r}"
     return {"ok": False, "error": {"exc_type": "ValueError", "message": message, "traceback": ""}}, b""
 

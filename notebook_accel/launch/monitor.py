@@ -11,6 +11,7 @@ import time
 from typing import Optional
 
 from . import events as ev
+from . import stall
 from .channel import RankChannel
 from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, failure_from_exit
 from .resources import ResourceSampler
@@ -20,10 +21,6 @@ STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_GRACE_S = 2.0  # after a rank exits, wait this long for a grandchild that still holds its stdout
 UNKNOWN_END = "its process ended without a result or an error, and its exit status went to xmp.spawn"
 GATE_GRACE_S = 5.0  # once every rank is done, wait this long for a gate (xmp.spawn) to say it is done
-# A rank still joining the group this long after another returned without ever joining is failed:
-# the group can never form. The wait covers a rank that joined by its own init_process_group (it
-# sends nothing) and a peer whose "joined" is still on its way.
-JOIN_GRACE_S = 2.0
 
 
 class _Rank:
@@ -61,7 +58,6 @@ class Monitor:
         self.gate = gate
         self.gate_open = gate is not None
         self.all_done_at: Optional[float] = None
-        self.doomed_since: Optional[float] = None  # when _check_group first saw a group that cannot form
         if gate is not None:
             self.sel.register(gate.sock, selectors.EVENT_READ, (None, "gate"))
             self.sel.register(gate.ended_r, selectors.EVENT_READ, (None, "gate_end"))
@@ -228,29 +224,22 @@ class Monitor:
 
     def _check_group(self, now: float) -> None:
         """Fail the ranks waiting to join the process group once a rank has returned without ever
-        joining: init_process_group would wait its whole timeout (30 minutes) for it."""
+        joining (the watch's group_cannot_form): init_process_group would wait 30 minutes for it."""
         if self.stop_sent_at is not None:
             return
-        left = [r.rank for r in self.ranks if r.done and r.channel.result is not None and not r.channel.group]
-        stuck = [r for r in self.ranks if not r.done and r.channel.group == "joining"]
-        if not (left and stuck):
-            self.doomed_since = None
+        rows = [(r.rank, r.channel.group, r.done and r.channel.result is not None, not r.done) for r in self.ranks]
+        found = self.watch.group_cannot_form(now, rows)
+        if found is None:
             return
-        if self.doomed_since is None:
-            self.doomed_since = now
-        if now - self.doomed_since < JOIN_GRACE_S:
-            return
-        names = ", ".join(str(rank) for rank in sorted(left))
-        message = (
-            f"it was joining the process group (PartialState() or Accelerator()), but rank(s) {names} "
-            "returned from the function without creating the state, so the group can never form. "
-            "Create the state on every rank, or on none."
-        )
-        for r in stuck:
-            r.reported = True
-            failure = ev.RankFailed(r.rank, r.proc.pid, None, message=message)
-            self.failures.append(failure)
-            self.sink.handle(failure)
+        stuck, left = found
+        message = stall.group_cannot_form(left)
+        for r in self.ranks:
+            if r.rank in stuck and not r.done:
+                r.reported = True
+                failure = ev.RankFailed(r.rank, r.proc.pid, None, message=message)
+                self.failures.append(failure)
+                self.sink.handle(failure)
+        names = ", ".join(map(str, left))
         self.stop(f"rank(s) {names} returned without joining the process group")
 
     def _server_lost(self) -> None:

@@ -209,3 +209,14 @@ def frames_of(text: str) -> tuple:
     """The dump's threads, those with the user's frames first (the main thread, usually)."""
     threads = parse_stacks(text)
     return tuple(sorted(threads, key=lambda t: not any(f.mine for f in t.frames)))
+
+
+def group_cannot_form(left: list) -> str:
+    """Why ranks waiting to join the process group are failed: said as the watch says things."""
+    who = f"rank {left[0]}" if len(left) == 1 else "ranks " + ", ".join(map(str, left))
+    return (
+        f"it waits to join the process group (PartialState() or Accelerator()), but {who} returned from the "
+        "function without creating the state, so the group can never form: create the state on every rank, "
+        "or on none"
+    )
+

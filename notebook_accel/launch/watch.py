@@ -15,6 +15,10 @@ from . import events as ev
 from . import stall, watch_probe
 
 MIN_PROBE_S = 1.0
+# A rank still joining the group this long after another returned without ever joining is failed:
+# the group can never form. The wait covers a rank that joined by its own init_process_group (it
+# sends nothing) and a peer whose "joined" is still on its way.
+JOIN_GRACE_S = 2.0
 
 
 class Watch:
@@ -26,6 +30,7 @@ class Watch:
         self.issued: dict = {}  # rank -> {group: the last sequence number it enqueued}
         self.report: Optional[stall.StallReport] = None  # the stall going on, if any
         self.last_report: Optional[stall.StallReport] = None  # the latest, for a timeout's error
+        self.doomed_since: Optional[float] = None  # when group_cannot_form first saw such a group
 
     @property
     def on(self) -> bool:
@@ -56,6 +61,19 @@ class Watch:
             self.report = self.last_report = self.snapshot(now - self.last_progress, ranks, seen)
             events.append(ev.LaunchStalled(self.report))
         return events
+
+    def group_cannot_form(self, now: float, ranks: list) -> Optional[tuple]:
+        """(stuck ranks, ranks that left) once ranks have waited JOIN_GRACE_S to join a process group
+        that a rank which returned without ever joining made impossible (init_process_group would
+        wait its whole 30 minutes). `ranks`: (rank, "joining" / "joined" / None, returned, running)."""
+        left = sorted(rank for rank, group, returned, _ in ranks if returned and not group)
+        stuck = sorted(rank for rank, group, _, running in ranks if running and group == "joining")
+        if not (left and stuck):
+            self.doomed_since = None
+            return None
+        if self.doomed_since is None:
+            self.doomed_since = now
+        return (stuck, left) if now - self.doomed_since >= JOIN_GRACE_S else None
 
     def snapshot(self, seconds: float, ranks: list, seen: Optional[dict] = None) -> stall.StallReport:
         return snapshot(seconds, ranks, self.label, seen)

@@ -406,6 +406,12 @@ def test_a_stalled_launch_in_the_sidebar(jupyter_lab, browser_page, tmp_path):  
     assert launch.get_attribute("data-state") == "running"
     text = launch.inner_text()
     assert "stalled: waits in all_reduce" in text and "stalled: waits in barrier" in text, text
+    # And the launch panel in the cell: the sentence above the folded stacks, both ranks marked.
+    panel_sentence = page.locator(".jp-OutputArea-output .nacc-stall-sentence")
+    assert "waits in all_reduce" in panel_sentence.first.inner_text(), panel_sentence.first.inner_text()
+    stalled_rows = json.dumps('.jp-OutputArea-output .nacc-status[data-stalled="1"]')
+    page.wait_for_function(f"() => document.querySelectorAll({stalled_rows}).length === 2", timeout=10_000)
+    assert page.locator(".jp-OutputArea-output .nacc-stall details").count() == 1
     page.evaluate(f"document.querySelector({SIDEBAR + ' .nacc-x-stall'!r}).scrollIntoView()")
     screenshot(page, tmp_path / "1-stalled.png")
 

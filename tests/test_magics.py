@@ -96,6 +96,7 @@ FORK_DEFAULTS = {"num_processes": None, "start_method": "fork", "timeout": None}
         ("--stall-after 0", {"stall_after": 0.0}, False),  # 0: the stall watch off
         ("--stall-after 2.5", {"stall_after": 2.5}, False),
         ("--out model,losses", {}, False),  # not a launcher argument: the job returns them
+        ("--pdb", {"pdb": True}, False),
         (
             "-n 2 --start-method spawn --mixed-precision bf16 --cpu --port auto --timeout 9 --max-restarts 2",
             {

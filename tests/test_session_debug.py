@@ -3,12 +3,11 @@ real kernel whose input() requests are answered on the stdin channel (as a front
 
 from __future__ import annotations
 
-import queue
 import re
 import time
 
 import pytest
-from kernels import run
+from kernels import converse, run
 
 FAILING_CELL = """%%accelerate
 import os
@@ -20,49 +19,6 @@ def inner():
         raise ValueError(f"rank one broke at {y}")
 inner()
 """
-
-
-def converse(
-    kc, code: str, answers: list, timeout: float = 60.0, allow_stdin: bool = True, on_prompt=None
-) -> dict:
-    """Execute `code`, answering each input request with the next of `answers`; returns the output
-    text, the prompts asked, the error (if any) and the reply. `on_prompt(n)` may act instead of an
-    answer (then it returns True)."""
-    msg_id = kc.execute(code, allow_stdin=allow_stdin)
-    answers = list(answers)
-    seen = {"text": "", "prompts": [], "errors": []}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            request = kc.get_stdin_msg(timeout=0.05)
-        except queue.Empty:
-            request = None
-        if request is not None and request["msg_type"] == "input_request":
-            seen["prompts"].append(request["content"]["prompt"])
-            if on_prompt is None or not on_prompt(len(seen["prompts"])):
-                kc.input(answers.pop(0) if answers else "q")
-        try:
-            msg = kc.get_iopub_msg(timeout=0.05)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            seen["text"] += content["text"]
-        elif kind == "error":
-            seen["errors"].append(content)
-        elif kind == "status" and content["execution_state"] == "idle":
-            seen["reply"] = _reply(kc, msg_id)
-            return seen
-    raise AssertionError(f"cell did not finish in {timeout} s: {seen}")
-
-
-def _reply(kc, msg_id: str) -> dict:
-    while True:
-        msg = kc.get_shell_msg(timeout=10)
-        if msg["parent_header"].get("msg_id") == msg_id:
-            return msg["content"]
 
 
 def ok(kc, code: str, **kw) -> dict:

@@ -62,12 +62,26 @@ def label_cells(text: str) -> str:
     return relabel_cells(text)
 
 
+def label_cell_paths(text: str) -> str:
+    """pdb's paths of notebook files (`/tmp/ipykernel_1/123.py(4)f()`) as `Cell In[N]`, in a kernel."""
+    if "ipykernel" not in sys.modules:
+        return text
+    from .cell_jobs import relabel_cell_paths
+
+    return relabel_cell_paths(text)
+
+
 def register_frontend() -> None:
     """Lend launches this layer's sinks, cell labels and error rendering; cheap (imports neither
     torch nor IPython)."""
     from ..launch import frontend
 
-    frontend.register(sinks=launch_sinks, traceback_labeller=label_cells, traceback_renderer=render_error)
+    frontend.register(
+        sinks=launch_sinks,
+        traceback_labeller=label_cells,
+        traceback_renderer=render_error,
+        path_labeller=label_cell_paths,
+    )
 
 
 def render_error(error: BaseException) -> list:

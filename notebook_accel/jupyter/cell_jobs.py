@@ -80,6 +80,26 @@ def relabel_cells(text: str, shell=None) -> str:
     return _FILE.sub(one, text)
 
 
+_PATH = re.compile(r"/[^\s()\"':]+\.py")
+
+
+def relabel_cell_paths(text: str, shell=None) -> str:
+    """A cell's file as pdb names it (`/tmp/ipykernel_1/123.py(4)f()`) -> `Cell In[5](4)f()`."""
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    label = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if label is None:
+        return text
+
+    def one(match):
+        named = label(match.group(0))
+        return f"{named[0]} {named[1]}" if named else match.group(0)
+
+    return _PATH.sub(one, text)
+
+
 def names_read(code: types.CodeType) -> set:
     """Global names the code (and the functions and classes it defines) may read."""
     names = set(code.co_names)

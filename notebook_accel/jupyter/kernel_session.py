@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import re
 import threading
 from collections import deque
 from typing import Optional
@@ -228,7 +227,7 @@ class KernelSession:
 
         def write(text: str) -> None:
             if text:
-                print(_relabel_cell_files(text), end="", flush=True)
+                print(cell_jobs.relabel_cell_paths(text), end="", flush=True)
 
         self.session.debug(rank, lambda prompt: builtins.input(prompt), write)
 
@@ -266,24 +265,6 @@ def _failure_text(replies: dict, failed: tuple, filename: str, label: str) -> st
         lines += ["", f"Traceback from {who}:", text]
     lines += ["", "The session goes on: the workers keep their state."]
     return "\n".join(lines)
-
-
-_PY_PATH = re.compile(r"/[^\s()\"':]+\.py")
-
-
-def _relabel_cell_files(text: str) -> str:
-    """A notebook cell's file, as pdb names it (`/tmp/ipykernel_1/123.py(4)f()`), as `Cell In[5]`."""
-    from IPython import get_ipython
-
-    label = getattr(getattr(get_ipython(), "compile", None), "format_code_name", None)
-    if label is None:
-        return text
-
-    def one(match):
-        named = label(match.group(0))
-        return f"{named[0]} {named[1]}" if named else match.group(0)
-
-    return _PY_PATH.sub(one, text)
 
 
 # -- %accelerate start/stop/... -------------------------------------------------------------------

@@ -74,6 +74,7 @@ def cell_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_seconds, default=None, help="stop every rank and fail after this long")
     p.add_argument("--stall-after", type=_stall, default=None, metavar="S", help=_STALL_HELP)
     p.add_argument("--out", type=_names, default=(), help="names to copy from rank 0 into the notebook")
+    p.add_argument("--pdb", action="store_true", help="keep the first failing rank in pdb, its commands read here")
     p.add_argument("--ranks", default=None, help='with a session: the ranks to run on ("0,2", "1:", "all")')
     return p
 
@@ -109,6 +110,8 @@ def launch_kwargs(args: argparse.Namespace) -> dict:
         kwargs["cpu"] = True
     if args.fsdp:
         kwargs["fsdp"] = True
+    if args.pdb:
+        kwargs["pdb"] = True
     return kwargs
 
 
@@ -126,6 +129,11 @@ class AccelerateMagics(Magics):
         from . import kernel_session as session
 
         running = session.current()
+        if running is not None and args.pdb:
+            raise UsageError(
+                "%%accelerate: --pdb is for a one-off launch; a session's workers keep a failed cell's frames "
+                "already: after the cell fails, %accelerate debug RANK opens pdb on them."
+            )
         if running is not None:
             given = [
                 f"--{name.replace('_', '-')}"

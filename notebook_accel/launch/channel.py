@@ -3,8 +3,9 @@ stdout, stderr and control bytes into typed events.
 
 A rank (or the forkserver) writes frames on its control socket: an 8-byte big-endian length, then a
 pickle of a tuple whose first item is the kind: ("started", pid), ("result", body, sizes) or
-("error", {exc_type, message, traceback}) from a rank; ("ready", pid), ("pid", local_rank, pid) and ("exit",
-pid, code) from the forkserver. Control sockets are private socket pairs (or a Unix socket in a
+("error", {exc_type, message, traceback}) from a rank, and in a pdb=True launch ("pdb", output,
+prompt or None) while pdb runs in it, answered with ("pdb_line", line or None) (child.py);
+("ready", pid), ("pid", local_rank, pid) and ("exit", pid, code) from the forkserver. Control sockets are private socket pairs (or a Unix socket in a
 private directory) between a process and its own children, so unpickling them trusts no stranger.
 Local launches, elastic launches and session workers all read their ranks through `RankChannel`.
 
@@ -163,6 +164,7 @@ class RankChannel:
         self.result: Optional[tuple] = None  # (pickle body, out-of-band buffers) once all arrived
         self.error: Optional[dict] = None
         self.group = ""  # "joining", then "joined": where the rank is with the process group
+        self.pdb: list = []  # (output, prompt) from pdb in the rank, not yet answered; prompt None: it ended
         self.open = {"stdout", "stderr", "ctrl"}
         self._lines = {stream: LineSplitter() for stream in STREAMS}
         self._frames = FrameBuffer()
@@ -221,6 +223,8 @@ class RankChannel:
             self.error = message[1]
         elif kind == "group":
             self.group = message[1]
+        elif kind == "pdb":
+            self.pdb.append((message[1], message[2]))
         return []
 
     def _result_arrived(self) -> None:

@@ -4,7 +4,9 @@ one), run the function, report back.
 A rank receives three connected sockets: `out` and `err` become fds 1 and 2 (so C-level output
 is caught too), `ctrl` carries the frames of channel.py: ("started", pid), ("group", "joining" or
 "joined") around joining the process group, ("result", body, sizes) followed by the result's
-out-of-band buffers, or ("error", dict).
+out-of-band buffers, or ("error", dict). In a `pdb=True` launch an error is followed by pdb on its
+traceback: ("pdb", output, prompt) for each prompt, answered by ("pdb_line", line or None), and
+("pdb", output, None) when pdb ends; then the rank exits.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import socket
 import sys
 import traceback
 
+from . import pdb_relay
 from .channel import recv_frame, send_frame, send_result
 from .leave_kernel import leave_the_kernel
 
@@ -72,14 +75,18 @@ def _prepare_process(env: dict, threads: int, inherited_group: bool = False) -> 
     state.GradientState._reset_state()
 
 
-def _error_report(exc: BaseException) -> dict:
+def _user_traceback(exc: BaseException):
     tb = exc.__traceback__
     # Drop our frames (this module's, and those marked __tracebackhide__): the user's code starts below.
     while tb is not None and (
         tb.tb_frame.f_code.co_filename == __file__ or "__tracebackhide__" in tb.tb_frame.f_locals
     ):
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return tb
+
+
+def _error_report(exc: BaseException) -> dict:
+    text = "".join(traceback.format_exception(type(exc), exc, _user_traceback(exc)))
     kind = type(exc)
     name = (
         kind.__name__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__name__}"
@@ -90,6 +97,8 @@ def _error_report(exc: BaseException) -> dict:
 def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
     """Run one rank; `load()` returns (function, args). Returns the process exit code."""
     out_fd, err_fd, ctrl_fd = fds
+    # Read, and gone from the environment: a launch inside this rank is not one of ours to debug.
+    debug = "1" in (env.pop(pdb_relay.PDB_ENV, ""), os.environ.pop(pdb_relay.PDB_ENV, ""))
     inherited = _group_exists()  # forked from a process in a group: its group, never ours to close
     _die_with_parent()
     kernel_streams = (sys.stdout, sys.stderr)
@@ -99,7 +108,7 @@ def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
     os.close(err_fd)
     ctrl = socket.socket(fileno=ctrl_fd)
     try:
-        return run_function(rank, ctrl, lambda: _prepare_process(env, threads, inherited), load)
+        return run_function(rank, ctrl, lambda: _prepare_process(env, threads, inherited), load, debug)
     finally:
         flush_output()
         if not inherited:
@@ -110,20 +119,25 @@ def run(rank: int, fds: tuple, env: dict, threads: int, load) -> int:
         ctrl.close()
 
 
-def run_function(rank: int, ctrl: socket.socket, prepare, load) -> int:
+def run_function(rank: int, ctrl: socket.socket, prepare, load, debug: bool = False) -> int:
     """Say started, run `prepare()` then the loaded function, and report its result or error on
-    `ctrl`. Returns the exit code. (A TPU rank runs this inside xmp.spawn's process: xla.py.)"""
+    `ctrl`; with `debug`, an error is then debugged from the launcher (`_post_mortem`). Returns the
+    exit code. (A TPU rank runs this inside xmp.spawn's process: xla.py.)"""
     send_frame(ctrl, ("started", os.getpid()))
     from ..utils import peers
 
     peers.listen(lambda word: send_frame(ctrl, ("group", word)))  # see monitor.py, _check_group
+    called = False
     try:
         prepare()
         function, args = load()
+        called = True
         result = function(*args)
     except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
         flush_output()
         send_frame(ctrl, ("error", _error_report(exc)))
+        if debug and called:  # not before: those frames are the launch's own, not the user's
+            _post_mortem(ctrl, exc)
         return 1
     flush_output()
     from .payload import dumps_result
@@ -136,6 +150,26 @@ def run_function(rank: int, ctrl: socket.socket, prepare, load) -> int:
         return 1
     send_result(ctrl, body, buffers)
     return 0
+
+
+def _post_mortem(ctrl: socket.socket, exc: BaseException) -> None:
+    """pdb on `exc`'s frames, its prompts answered by the launcher, which asks its user (monitor.py).
+    A launcher that goes away (EOF) or answers anything but a line ends pdb."""
+
+    def ask(text: str) -> str:
+        try:
+            send_frame(ctrl, ("pdb", *pdb_relay.split_prompt(text)))
+            message = recv_frame(ctrl)
+        except (OSError, EOFError):
+            return ""
+        return pdb_relay.as_pdb_line(message[1]) if message[0] == "pdb_line" else ""
+
+    rest = pdb_relay.debug(_user_traceback(exc), ask)
+    flush_output()
+    try:
+        send_frame(ctrl, ("pdb", rest, None))
+    except OSError:
+        pass
 
 
 def flush_output() -> None:

@@ -37,6 +37,7 @@ def notebook_launcher(
     fsdp=None,
     gpu_ids=None,
     stall_after: Optional[float] = None,
+    pdb: bool = False,
 ) -> list:
     """Run `function(*args)` on `num_processes` processes; return each local rank's return value.
 
@@ -57,6 +58,11 @@ def notebook_launcher(
     forms one MULTI_CPU job too; its bare `PartialState()` reads only its `cpu` argument.
     `stall_after` (seconds, 0 off) is how long no rank may make progress before you are told; None
     means $NOTEBOOK_ACCEL_STALL_AFTER, else the config's `stall_after`, else 60.
+    `pdb=True` keeps the first rank that raises alive in pdb on its traceback, the others stopped,
+    and asks you for pdb's commands here with input() (in a notebook, the front end's input box)
+    until pdb ends (q, c); then the rank exits and `LaunchFailedError` is raised as usual. The
+    timeout stops counting once that rank is in pdb. Where no command can be read (a front end that
+    does not answer input, a script whose stdin is not a terminal), the rank ends and the error says so.
     """
     if not callable(function):
         raise TypeError(
@@ -83,6 +89,7 @@ def notebook_launcher(
         fsdp=fsdp,
         gpu_ids=gpu_ids,
         stall_after=stall_after,
+        pdb=pdb,
     )
     control = LaunchControl(timeout)
     for note in plan.notes:

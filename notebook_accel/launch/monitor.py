@@ -1,5 +1,10 @@
 """The parent's event loop: read every rank's output and control messages, turn them into events,
-stop the other ranks when one fails, and collect results. Single-threaded, driven by a selector."""
+stop the other ranks when one fails, and collect results. Single-threaded, driven by a selector.
+
+In a pdb=True launch the first rank to fail stays in pdb (child.py): its failure is reported and the
+other ranks stopped as usual, then this loop, on the launching thread, shows its pdb's output and reads
+each command with input() until pdb ends (`_converse`); only then does that rank exit. The launch's
+timeout no longer applies from then on: the person debugging is not cut off."""
 
 from __future__ import annotations
 
@@ -11,8 +16,8 @@ import time
 from typing import Optional
 
 from . import events as ev
-from . import stall
-from .channel import RankChannel
+from . import pdb_relay, stall
+from .channel import RankChannel, send_frame
 from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, failure_from_exit
 from .resources import ResourceSampler
 from .watch import Watch
@@ -20,6 +25,7 @@ from .watch import Watch
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_GRACE_S = 2.0  # after a rank exits, wait this long for a grandchild that still holds its stdout
 UNKNOWN_END = "its process ended without a result or an error, and its exit status went to xmp.spawn"
+PDB_EXIT_GRACE_S = 10.0  # once its pdb ended, the debugged rank has this long to exit before SIGKILL
 GATE_GRACE_S = 5.0  # once every rank is done, wait this long for a gate (xmp.spawn) to say it is done
 
 
@@ -48,6 +54,9 @@ class Monitor:
         self.killed = False
         self.server_lost = False
         self.resources = ResourceSampler({})
+        self.debugged: Optional[_Rank] = None  # pdb=True: the first rank that failed, kept in pdb
+        self.console: Optional[pdb_relay.Console] = None  # its user's side, once the others stopped
+        self.pdb_ended_at: Optional[float] = None
         from . import frontend
 
         self.watch = Watch(getattr(plan, "stall_after", 0.0), time.monotonic(), frontend.label_traceback)
@@ -109,13 +118,17 @@ class Monitor:
                 self.failures,
                 key=lambda f: _is_peer_fallout({"exc_type": f.exc_type or "", "message": f.message}),
             )
-            raise LaunchFailedError(ordered)
+            error = LaunchFailedError(ordered)
+            if self.console is not None and self.console.refused:
+                why = f"no debugger was opened on rank {self.debugged.rank}: {self.console.refused}"
+                error.args = (f"{error.args[0]}\n\npdb=True, but {why}",)
+            raise error
         return [r.channel.load_result() for r in sorted(self.ranks, key=lambda r: r.rank)]
 
     def _step(self) -> None:
         needs_polling = any(r.proc.exit_fd is None and not r.done for r in self.ranks)
         wait = 0.05 if needs_polling or self.stop_sent_at else 1.0
-        if self.control is not None:
+        if self.control is not None and self.debugged is None:  # past the deadline it would spin
             wait = self.control.wait_limit(time.monotonic(), wait)
         wait = max(0.0, min(wait, self.resources.next_at - time.monotonic()))
         for key, _ in self.sel.select(timeout=wait):
@@ -135,19 +148,28 @@ class Monitor:
                 r.proc.poll()
             else:
                 self._read(r, key.fileobj, kind)
+        if self.debugged is None and self.stop_sent_at is None:
+            waiting = next((r for r in self.ranks if r.channel.pdb and not r.done), None)
+            if waiting is not None:
+                self._keep_for_pdb(waiting)
         if self.warm is not None and self.warm.lost and not self.server_lost:
             self._server_lost()  # shut down by another thread, or its end seen by another reader
         now = time.monotonic()
         if self.resources.due(now):
             for event in self.resources.sample(now, [r.rank for r in self.ranks if not r.done]):
                 self.sink.handle(event)
-        if self.control is not None and not self.stopped and self.control.check(now):
+        # A rank kept in pdb: the timeout no longer applies (module docstring).
+        if self.control is not None and not self.stopped and self.debugged is None and self.control.check(now):
             self.stopped = self.control.reason
             self.stop(self.stopped)
         for r in self.ranks:
             if not r.done:
                 self._maybe_finish(r, now)
         self._check_group(now)
+        if self.debugged is not None and all(o.done for o in self.ranks if o is not self.debugged):
+            self._converse(self.debugged)
+            if self.pdb_ended_at is not None and time.monotonic() - self.pdb_ended_at > PDB_EXIT_GRACE_S:
+                self.debugged.proc.send_signal(signal.SIGKILL)
         if self.stop_sent_at is None:
             live = [(r.rank, r.proc.pid, r.channel.result is not None) for r in self.ranks if not r.reported]
             for event in self.watch.tick(now, live):
@@ -222,6 +244,41 @@ class Monitor:
         if self.stop_sent_at is None:
             self.stop(f"rank {r.rank} failed")
 
+    def _keep_for_pdb(self, r: _Rank) -> None:
+        """`r` failed and waits in pdb: report it now, stop the others; it is debugged once they end."""
+        self.debugged = r
+        r.reported = True  # its exit, after pdb, says nothing more
+        peak_rss, peak_device = self.resources.peaks(r.rank)
+        error = r.channel.error or {"message": "it stopped in pdb without reporting an error"}
+        peaks = {"peak_rss": peak_rss, "peak_device_memory": peak_device}
+        failure = ev.RankFailed(r.rank, r.proc.pid, None, **error, **peaks)
+        self.failures.append(failure)
+        self.sink.handle(failure)
+        self.stop(f"rank {r.rank} failed")
+
+    def _converse(self, r: _Rank) -> None:
+        """The debugged rank's pdb output shown, and the user's line for each prompt sent back."""
+        if self.console is None:
+            self.console = pdb_relay.Console()
+            self.console.write(  # failures[0] is r's: a rank is kept in pdb only before any stop
+                f"{self.failures[0].summary()}\npdb on rank {r.rank}'s frames; the other ranks were stopped, "
+                "and this rank ends with the debugger (q, c or the end of input):\n"
+            )
+        while r.channel.pdb:
+            output, prompt = r.channel.pdb.pop(0)
+            self.console.write(output)
+            if prompt is None:  # pdb ended: the rank exits now
+                self.pdb_ended_at = self.pdb_ended_at or time.monotonic()
+                continue
+            line = None
+            try:
+                line = self.console.read_line(prompt)
+            finally:  # an interrupt too ends pdb (the rank is killed with the launch anyway)
+                try:
+                    send_frame(r.proc.ctrl, ("pdb_line", line))
+                except OSError:
+                    pass
+
     def _check_group(self, now: float) -> None:
         """Fail the ranks waiting to join the process group once a rank has returned without ever
         joining (the watch's group_cannot_form): init_process_group would wait 30 minutes for it."""
@@ -272,7 +329,7 @@ class Monitor:
 
     def _signal_all(self, sig: int) -> None:
         for r in self.ranks:
-            if not r.done:
+            if not r.done and r is not self.debugged:  # it ends with its pdb
                 r.proc.send_signal(sig)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from ..utils import families
-from . import limits, ports, stall_settings
+from . import limits, pdb_relay, ports, stall_settings
 from .errors import LaunchConfigError
 from .limits import MANY_PROCESSES_ENV, PROCESSES_PER_CORE  # noqa: F401  (their old home)
 from .ports import free_port  # noqa: F401  (its old home: tests, tools and benchmarks import it here)
@@ -76,6 +76,7 @@ class LaunchPlan:
     log_line_prefix_template: Optional[str] = None
     threads_per_process: int = 1
     fsdp: bool = False  # the ranks build an FSDP plugin from FSDP_* (ACCELERATE_USE_FSDP is true)
+    pdb: bool = False  # the first rank to fail stays in pdb, debugged from the launching thread
     port_held: bool = False  # master_port was picked here and is held until the launch ends (ports.py)
     notes: tuple = ()  # one-line messages the user should see (why a default was changed)
     env: dict = field(default_factory=dict)  # set in every child
@@ -130,6 +131,7 @@ def make_plan(
     config_file: Optional[str] = None,
     fsdp=None,
     stall_after=None,
+    pdb=False,
 ) -> LaunchPlan:
     from .. import hardware
     from ..placement import several_on_cpu
@@ -171,6 +173,7 @@ def make_plan(
 
     family = None if cpu else hardware.detect_device_family()
     engine = choose_engine(family, num_nodes, max_restarts, rdzv_backend)
+    pdb_relay.check(pdb, engine)
 
     devices = hardware.device_count(family) if family and families.family(family).rank_per_device else 0
     visible = _visible_devices(family, gpu_ids, devices, cpu)
@@ -198,8 +201,9 @@ def make_plan(
             "ranks from a fresh forkserver (start_method='forkserver'): the function and its arguments travel "
             "pickled, not inherited."
         )
-    # With gpu_ids, even one rank runs in a child: the variable must be set before its runtime starts.
-    runs_here = engine == "local" and num_processes == 1 and not visible
+    # With gpu_ids, even one rank runs in a child: the variable must be set before its runtime starts;
+    # with pdb too, so that a failing rank is debugged the one way.
+    runs_here = engine == "local" and num_processes == 1 and not visible and not pdb
     if start_method == "fork" and not runs_here:
         _check_fork_is_safe()
         limits.check_no_group_to_fork()  # a rank launching again: its ranks would inherit its group
@@ -242,6 +246,8 @@ def make_plan(
         env[visible[0]] = visible[1]
     if start_method == "fork":
         env["FORK_LAUNCHED"] = "1"
+    if pdb:
+        env[pdb_relay.PDB_ENV] = "1"
     plan = LaunchPlan(
         num_processes=num_processes,
         start_method=start_method,
@@ -261,6 +267,7 @@ def make_plan(
         log_line_prefix_template=log_line_prefix_template,
         threads_per_process=threads,
         fsdp=_fsdp_on(env),
+        pdb=pdb,
         notes=tuple(notes),
         env=env,
         port_held=port_held,

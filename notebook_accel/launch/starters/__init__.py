@@ -17,13 +17,13 @@ PORT_RETRIES = 2  # a picked port that another program took before rank 0 bound 
 def starter_for(plan):
     """The module that starts `plan`: xla (xmp.spawn on a TPU host), elastic (torch's agent for
     several nodes, restarts or a dynamic rendezvous), here (one process, in the caller,
-    unless gpu_ids chose its device), or local
+    unless gpu_ids chose its device or pdb is on), or local
     (fork / spawn / forkserver, watched by our own monitor)."""
     if plan.engine == "xla":
         name = "xla"
     elif plan.engine == "elastic":
         name = "elastic"
-    elif plan.num_processes == 1 and plan.num_nodes == 1 and not plan.chooses_devices:
+    elif plan.num_processes == 1 and plan.num_nodes == 1 and not plan.chooses_devices and not plan.pdb:
         name = "here"
     else:
         name = "local"

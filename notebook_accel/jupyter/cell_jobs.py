@@ -61,30 +61,20 @@ def cell_number(shell) -> int:
 
 
 _FILE = re.compile(r'File "([^"]+)"')
+_PATH = re.compile(r"/[^\s()\"':]+\.py")
 
 
 def relabel_cells(text: str, shell=None) -> str:
     """`File "/tmp/ipykernel_1/123.py"` -> `Cell In[5]`, as IPython labels a cell's code."""
-    if shell is None:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-    label = getattr(getattr(shell, "compile", None), "format_code_name", None)
-    if label is None:
-        return text
-
-    def one(match):
-        named = label(match.group(1))
-        return f"{named[0]} {named[1]}" if named else match.group(0)
-
-    return _FILE.sub(one, text)
-
-
-_PATH = re.compile(r"/[^\s()\"':]+\.py")
+    return _relabel(_FILE, 1, text, shell)
 
 
 def relabel_cell_paths(text: str, shell=None) -> str:
     """A cell's file as pdb names it (`/tmp/ipykernel_1/123.py(4)f()`) -> `Cell In[5](4)f()`."""
+    return _relabel(_PATH, 0, text, shell)
+
+
+def _relabel(pattern, group: int, text: str, shell) -> str:
     if shell is None:
         from IPython import get_ipython
 
@@ -94,10 +84,10 @@ def relabel_cell_paths(text: str, shell=None) -> str:
         return text
 
     def one(match):
-        named = label(match.group(0))
+        named = label(match.group(group))
         return f"{named[0]} {named[1]}" if named else match.group(0)
 
-    return _PATH.sub(one, text)
+    return pattern.sub(one, text)
 
 
 def names_read(code: types.CodeType) -> set:

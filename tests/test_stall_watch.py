@@ -49,7 +49,7 @@ def launch_until_stopped(function, sink, timeout=60.0, **kw):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_ranks_in_different_collectives_are_named_with_the_collective_and_the_line(start_method):
     sink = StopOnStall()
     error = launch_until_stopped(targets.mismatch, sink, num_processes=2, start_method=start_method)
@@ -209,3 +209,36 @@ def test_in_a_kernel_the_report_names_notebook_cells(tmp_path, widgets):
     assert "nacc-stall-sentence" in state and "Cell In[1], line 10, in mismatch" in state, state[:3000]
     (panel,) = [o for o in launch.outputs if o.output_type == "display_data"]
     assert "stalled for" in panel.data["text/plain"], panel.data["text/plain"]  # the saved transcript
+
+
+CELLS = [
+    "%load_ext notebook_accel",
+    "%%accelerate -n 2 --cpu --port auto --stall-after 2 --timeout 8\n" + MISMATCH_CELL,
+    "%accelerate start -n 2 --cpu --stall-after 2",
+    "%%accelerate --timeout 8\n" + MISMATCH_CELL,
+    "%accelerate stop",
+]
+
+
+@pytest.mark.timeout(300)
+def test_a_cell_and_a_session_cell_are_watched_in_a_kernel(tmp_path):
+    import nbformat
+
+    from notebook_accel.demo import run_notebook
+
+    cells = [nbformat.v4.new_code_cell(source) for source in CELLS]
+    for i in (1, 3):
+        cells[i].metadata["tags"] = ["raises-exception"]  # each ends with its timeout
+    path = tmp_path / "cells.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    nb, error = run_notebook(str(path), timeout=120, widgets=False)
+    assert error is None, error
+    for cell, line in ((nb.cells[1], 6), (nb.cells[3], 6)):
+        printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        assert "notebook_accel: stalled for" in printed, cell.outputs
+        assert "rank 0 waits in all_reduce #" in printed and f"Cell In[{cell.execution_count}], line {line}" in printed, (
+            printed
+        )
+        assert "rank 1 waits in barrier #" in printed, printed
+        (failure,) = [o for o in cell.outputs if o.output_type == "error"]
+        assert "what the watch saw before: stalled for" in failure.evalue, failure.evalue

@@ -156,5 +156,5 @@ def shorten(error: BaseException, filename: str, label: str) -> BaseException:
         return CellFailedError(error, filename, label)
     if isinstance(error, LaunchStoppedError):
         kind = CellTimeoutError if isinstance(error, LaunchTimeoutError) else CellStoppedError
-        return kind(error.reason, list(error.reports.values()))
+        return kind(error.reason, list(error.reports.values()), stall=error.stall)
     return error

@@ -428,3 +428,35 @@ def test_a_stalled_launch_in_the_sidebar(jupyter_lab, browser_page, tmp_path):  
     page.evaluate(f"document.querySelector({SIDEBAR + ' .nacc-x-stall'!r}).scrollIntoView()")
     screenshot(page, tmp_path / "2-report.png")
     assert not extension_errors(page), page.console_errors
+
+
+QUIET_CELL = """from notebook_accel import notebook_launcher
+
+def quiet():
+    import time
+    print("sleeping", flush=True)
+    time.sleep(12)
+
+notebook_launcher(quiet, num_processes=2)"""
+
+
+@pytest.mark.timeout(240)
+def test_the_panel_s_stacks_button_shows_where_each_rank_is(jupyter_lab, browser_page, tmp_path):  # noqa: F811
+    require_extension()
+    page = browser_page
+    write_notebook(jupyter_lab.root, "stacks.ipynb", [SETUP, QUIET_CELL])
+    open_notebook(page, jupyter_lab, "stacks.ipynb")
+    run_cell(page, 0)
+    wait_status(page, SUMMARY)
+    run_cell(page, 1)
+    cell = page.locator(".jp-NotebookPanel .jp-Cell").nth(1)
+    cell.locator(".nacc-log", has_text="sleeping").first.wait_for(timeout=120_000)
+    cell.locator(".nacc-stacks").click()  # heard while the cell runs (the kernel's side shell)
+    sentence = cell.locator(".nacc-stall-sentence")
+    sentence.wait_for(timeout=30_000)
+    text = sentence.inner_text()
+    assert text.startswith("where the ranks are now: ranks 0, 1 are in no collective at Cell In[2], line 6"), text
+    assert cell.locator('.nacc-status[data-stalled="1"]').count() == 0  # a snapshot, not a stall
+    screenshot(page, tmp_path / "stacks.png")
+    wait_status(page, "finished", timeout=90)
+    assert not extension_errors(page), page.console_errors

@@ -17,9 +17,9 @@ def children() -> dict:
 
 def long_lived_helpers() -> set:
     # The warm forkserver stays up between launches by design, with its idle spares; its ranks must
-    # not. So does the resource tracker multiprocessing starts with its first spawned process
-    # (xmp.spawn's, TPU tests).
-    from multiprocessing import resource_tracker
+    # not. So do the resource tracker multiprocessing starts with its first spawned process
+    # (xmp.spawn's, TPU tests) and multiprocessing's forkserver (an elastic forkserver launch's).
+    from multiprocessing import forkserver, resource_tracker
 
     from notebook_accel.launch.warm import WarmServer
 
@@ -27,8 +27,11 @@ def long_lived_helpers() -> set:
     helpers = set()
     if server is not None and server.proc.poll() is None:
         helpers = {server.proc.pid, *idle_spares(server.proc.pid)}
-    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    return helpers | ({tracker} if tracker else set())
+    others = {
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+    }
+    return helpers | {pid for pid in others if pid}
 
 
 def idle_spares(server_pid: int) -> set:

@@ -219,6 +219,14 @@ def test_the_readme_is_short():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
 
 
+def test_the_readme_names_the_two_commands_of_a_fresh_clone():
+    text = (ROOT / "README.md").read_text()
+    commands = [b.source for b in scan(text)[0] if b.language == "bash"]
+    for command in ("make demo", "make test"):
+        assert any(command in c for c in commands), f"README.md must show `{command}` in a ```bash block"
+    assert "make test" in (ROOT / ".ci" / "run").read_text()  # what CI runs is what the README says
+
+
 def _outside_blocks(text: str) -> str:
     """The text with every code block's lines blanked (line numbers kept)."""
     lines = text.splitlines()

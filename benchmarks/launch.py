@@ -188,30 +188,12 @@ def kernel_sample(world: int, prewarm: str, details: list) -> float:
     """In a fresh real kernel that imported torch: `from notebook_accel import notebook_launcher`
     (NOTEBOOK_ACCEL_PREWARM=`prewarm`), PREWARM_WAIT_S idle, then, in the next cell, a timed
     forkserver launch (the sample), a second one, and the server's memory."""
-    from notebook_accel.demo import _kernel_manager_class
+    from launch_training import two_cells_in_a_fresh_kernel
 
-    km = _kernel_manager_class()(kernel_name="python3")
     env = {**os.environ, "NOTEBOOK_ACCEL_PREWARM": prewarm, "NOTEBOOK_ACCEL_WIDGETS": "0"}
-    km.start_kernel(env=env, extra_arguments=["--IPKernelApp.log_level=ERROR"])
-    kc = km.client()
-    try:
-        kc.start_channels()
-        kc.wait_for_ready(timeout=60)
-        kc.execute_interactive("import torch", timeout=60)
-        text: list = []
-        bench = os.path.dirname(os.path.abspath(__file__))
-        for cell in (KERNEL_IMPORT_CELL.format(bench=bench), KERNEL_LAUNCH_CELL.format(world=world)):
-            reply = kc.execute_interactive(
-                cell, timeout=LAUNCH_TIMEOUT_S, output_hook=lambda m: text.append(m["content"].get("text", ""))
-            )
-            if reply["content"]["status"] != "ok":
-                raise RuntimeError(f"kernel sample failed: {reply['content'].get('evalue')}")
-            if cell.startswith("import json"):
-                time.sleep(PREWARM_WAIT_S)  # the kernel idle between the two cells
-        sample = json.loads("".join(text).strip().splitlines()[-1])
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
+    bench = os.path.dirname(os.path.abspath(__file__))
+    first, second = KERNEL_IMPORT_CELL.format(bench=bench), KERNEL_LAUNCH_CELL.format(world=world)
+    sample = two_cells_in_a_fresh_kernel(env, first, second, PREWARM_WAIT_S, LAUNCH_TIMEOUT_S)
     details.append(sample)
     return sample["launch_s"]
 

@@ -130,12 +130,12 @@ print(_j.dumps(_out))
 """
 
 
-def kernel_sample(world: int, baseline: bool) -> dict:
+def two_cells_in_a_fresh_kernel(env: dict, first: str, second: str, idle_s: float, timeout: float) -> dict:
+    """A fresh real kernel (`env`) that imported torch runs `first`, stays idle `idle_s`, then runs
+    `second`, whose last printed line is JSON: returned. (launch.py's forkserver rows use it too.)"""
     from notebook_accel.demo import _kernel_manager_class
 
     km = _kernel_manager_class()(kernel_name="python3")
-    env = {k: v for k, v in os.environ.items() if k != "NOTEBOOK_ACCEL_PREWARM"}
-    env["NOTEBOOK_ACCEL_WIDGETS"] = "0"
     km.start_kernel(env=env, extra_arguments=["--IPKernelApp.log_level=ERROR"])
     kc = km.client()
     try:
@@ -143,18 +143,25 @@ def kernel_sample(world: int, baseline: bool) -> dict:
         kc.wait_for_ready(timeout=60)
         kc.execute_interactive("import torch", timeout=60)
         text: list = []
-        for cell in (IMPORT_CELL.format(bench=BENCH, baseline=baseline), LAUNCH_CELL.format(world=world)):
+        for cell in (first, second):
             reply = kc.execute_interactive(
-                cell, timeout=600, output_hook=lambda m: text.append(m["content"].get("text", ""))
+                cell, timeout=timeout, output_hook=lambda m: text.append(m["content"].get("text", ""))
             )
             if reply["content"]["status"] != "ok":
                 raise RuntimeError(f"kernel sample failed: {reply['content'].get('evalue')}")
-            if cell.startswith("import json"):
-                time.sleep(PREWARM_WAIT_S)
+            if cell is first:
+                time.sleep(idle_s)
         return json.loads("".join(text).strip().splitlines()[-1])
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def kernel_sample(world: int, baseline: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "NOTEBOOK_ACCEL_PREWARM"}
+    env["NOTEBOOK_ACCEL_WIDGETS"] = "0"
+    first = IMPORT_CELL.format(bench=BENCH, baseline=baseline)
+    return two_cells_in_a_fresh_kernel(env, first, LAUNCH_CELL.format(world=world), PREWARM_WAIT_S, 600)
 
 
 # -- the rows -----------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ def _has(name: str) -> bool:
 # Optional packages: each probe looks for one of its modules without importing it.
 _PACKAGES = {
     "torch": ("torch",),
-    "numpy": ("numpy",),
     "cloudpickle": ("cloudpickle",),
     "safetensors": ("safetensors",),
     "psutil": ("psutil",),
@@ -110,6 +109,15 @@ def is_fp8_available() -> bool:
     return any(d.supports_fp8 for d in current.accelerators())
 
 
+def check_cuda_fp8_capability() -> bool:
+    """Whether the first CUDA GPU can compute in fp8 (compute capability 8.9 or later), read through NVML
+    without initialising CUDA; False where there is no CUDA GPU (accelerate raises there)."""
+    if not families.family("cuda").is_available():
+        return False
+    found = [d for d in current.accelerators() if d.kind == "cuda"]
+    return bool(found) and found[0].supports_fp8
+
+
 # accelerate's other probes. A package counts when its module is found *and* its distribution is
 # installed (a stray folder named like a package is not the package); where accelerate needs a
 # minimum version, the installed version is compared. Nothing here imports the package.
@@ -154,6 +162,11 @@ def installed_version(module: str, distributions) -> Optional[str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def is_numpy_available(min_version: str = "1.25.0") -> bool:
+    found = installed_version("numpy", ("numpy",))
+    return found is not None and _at_least(found, min_version)
 
 
 def hf_accelerate_installed() -> bool:
@@ -286,10 +299,50 @@ def is_fp16_available() -> bool:
     return not is_habana_gaudi1()
 
 
-# One probe per device family, from the family table (is_cuda_available, is_npu_available, ...);
-# xla's is is_torch_xla_available above, which takes arguments.
-for _family in families.FAMILIES:
-    if _family.name != "xla":
-        globals()[f"is_{_family.name}_available"] = _probe(_family.name, _family.is_available)
+# One probe per device family (the family table says how each is found); xla's is
+# is_torch_xla_available above. `check_device` is accepted for accelerate's signature: our probe always
+# checks that a device is there, which is what accelerate's does with check_device=True.
+def is_cuda_available() -> bool:
+    return families.family("cuda").is_available()
 
-__all__ = sorted(name for name in globals() if name.startswith("is_"))
+
+def is_xpu_available(check_device: bool = False) -> bool:
+    return families.family("xpu").is_available()
+
+
+def is_npu_available(check_device: bool = False) -> bool:
+    return families.family("npu").is_available()
+
+
+def is_mlu_available(check_device: bool = False) -> bool:
+    return families.family("mlu").is_available()
+
+
+def is_sdaa_available(check_device: bool = False) -> bool:
+    return families.family("sdaa").is_available()
+
+
+def is_musa_available(check_device: bool = False) -> bool:
+    return families.family("musa").is_available()
+
+
+def is_neuron_available(check_device: bool = False) -> bool:
+    return families.family("neuron").is_available()
+
+
+def is_hpu_available(init_hccl: bool = False) -> bool:
+    """An HPU is here; with init_hccl, its collective backend is registered too (by importing it)."""
+    if not families.family("hpu").is_available():
+        return False
+    if init_hccl:
+        import habana_frameworks.torch.distributed.hccl  # noqa: F401  (registers the backend)
+    return True
+
+
+def is_mps_available(min_version: str = "1.12") -> bool:
+    """Apple's GPU is here and torch is at least `min_version`."""
+    import torch
+
+    return _at_least(torch.__version__, min_version) and families.family("mps").is_available()
+
+__all__ = sorted(name for name in globals() if name.startswith("is_")) + ["check_cuda_fp8_capability"]

@@ -1,16 +1,21 @@
 """`import accelerate` resolves to notebook_accel: the conformance run's import alias.
 
 Every `accelerate.X` is the very module `notebook_accel.X` (one module object, so the state singletons
-are shared), except `accelerate.test_utils`, which is our own small helper package
-(`accelerate_test_utils` beside this folder). accelerate itself is never installed where this runs.
+are shared), except `accelerate.test_utils`. For the distributed scripts that is our own small helper
+package (`accelerate_test_utils` beside this folder); for the unit tests (units.py) it is accelerate's
+real `test_utils`, unchanged from the downloaded wheel, named by NOTEBOOK_ACCEL_REAL_TEST_UTILS (the
+wheel's `accelerate/` folder): its relative imports then reach notebook_accel through this alias.
+accelerate itself is never installed where this runs.
 """
 
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 
 _HELPERS = "accelerate.test_utils"
+_REAL = os.environ.get("NOTEBOOK_ACCEL_REAL_TEST_UTILS")
 
 
 def _target(fullname: str) -> str:
@@ -19,10 +24,23 @@ def _target(fullname: str) -> str:
     return "notebook_accel" + fullname[len("accelerate"):]
 
 
+def _real_spec(fullname: str):
+    """accelerate's own file for `fullname` (a module of its test_utils) from the wheel."""
+    base = os.path.join(_REAL, *fullname.split(".")[1:])
+    if os.path.isdir(base):
+        return importlib.util.spec_from_file_location(
+            fullname, os.path.join(base, "__init__.py"), submodule_search_locations=[base])
+    if os.path.exists(base + ".py"):
+        return importlib.util.spec_from_file_location(fullname, base + ".py")
+    return None
+
+
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if not fullname.startswith("accelerate."):
             return None
+        if _REAL and (fullname == _HELPERS or fullname.startswith(_HELPERS + ".")):
+            return _real_spec(fullname)
         try:
             module = importlib.import_module(_target(fullname))
         except ModuleNotFoundError as error:

@@ -46,10 +46,12 @@ $(STAMP312): pyproject.toml requirements-dev.txt Makefile
 test-py312: $(STAMP312)
 	$(VENV312)/bin/python -m pytest -q $(SMOKE312)
 
-# accelerate 1.15.0's own distributed test scripts, from its downloaded wheel, run unchanged against
-# notebook_accel on 2 and 4 ranks (tests/conformance/). tests/test_conformance.py runs the same in `make test`.
+# accelerate 1.15.0's own tests run unchanged against notebook_accel (tests/conformance/): its distributed
+# test scripts (from its wheel) on 2 and 4 ranks, and its unit tests (from its sdist).
+# tests/test_conformance.py runs the same in `make test`.
 conformance: $(STAMP)
 	$(BIN)/python tests/conformance/run.py
+	$(BIN)/python tests/conformance/units.py
 
 # The layer map of ARCHITECTURE.md, as import-linter contracts in pyproject.toml.
 layers: $(STAMP)

@@ -1,5 +1,6 @@
-"""accelerate 1.15.0's own distributed test scripts, from its downloaded wheel, run unchanged against
-notebook_accel (tests/conformance/): every test call passes on 2 and 4 gloo ranks."""
+"""accelerate 1.15.0's own tests run unchanged against notebook_accel (tests/conformance/): its distributed
+test scripts, from its downloaded wheel, where every test call passes on 2 and 4 gloo ranks; and its unit
+tests, from its downloaded sdist, where every test accelerate itself passes here passes against us."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 
 import pytest
 from conformance import run as conformance
+from conformance import units
 
 HERE = os.path.dirname(__file__)
 
@@ -67,3 +69,33 @@ def test_the_alias_is_notebook_accel_itself(tmp_path):
     assert [(c["name"], c["ok"]) for c in report["calls"]] == [
         ("test_same_objects", True), ("test_missing_module_fails_as_it_would", True)
     ]
+
+
+@pytest.mark.timeout(1200)
+def test_accelerate_unit_tests_pass():
+    outcome = units.run()
+    problems = units.judge(outcome, units.baseline())
+    assert not problems, f"{units.table(outcome)}\n" + "\n".join(problems) + f"\n{outcome.output[-3000:]}"
+    passed = sum(r.outcome == "passed" for r in outcome.results.values())
+    assert passed >= len(units.baseline()) - len(units.UPSTREAM), units.table(outcome)
+
+
+def _run_of(**outcomes):
+    return units.Run(results={i: units.Result(i, o) for i, o in outcomes.items()})
+
+
+def test_the_unit_judge_names_every_divergence():
+    base = ["tests/test_a.py::T::test_ok", "tests/test_a.py::T::test_gone", "tests/test_a.py::T::test_skips",
+            "tests/test_a.py::T::test_bug"]
+    run = _run_of(**{"tests/test_a.py::T::test_ok": "passed", "tests/test_a.py::T::test_skips": "skipped",
+                     "tests/test_a.py::T::test_bug": "passed", "tests/test_a.py::T::test_gpu": "failed",
+                     "tests/test_a.py::T::test_gpu_only": "skipped"})
+    problems = units.judge(run, base, upstream={"tests/test_a.py::T::test_bug": "accelerate is wrong"}, files=["test_a"])
+    assert [p.split(":")[0] + ":" + p.split("::")[2].split(":")[0] for p in problems] == [
+        "tests/test_a.py:test_gone", "tests/test_a.py:test_skips", "tests/test_a.py:test_bug",
+        "tests/test_a.py:test_gpu"]
+    assert "did not run" in problems[0] and "skipped" in problems[1] and "stale" in problems[2]
+    assert "does not fail it here" in problems[3]
+    fixed = _run_of(**{i: "passed" for i in base[:3]}, **{base[3]: "failed"})
+    assert units.judge(fixed, base, upstream={base[3]: "accelerate is wrong"}, files=["test_a"]) == []
+    assert "no test ran" in units.judge(units.Run(returncode=4), [], files=["test_a"])[0]

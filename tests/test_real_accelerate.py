@@ -1,88 +1,41 @@
 """Hugging Face's accelerate 1.15 (and transformers' Trainer) inside ranks of our launcher on a machine
 without an accelerator: one N-process job, not N separate ones (the plan's ACCELERATE_USE_CPU=1).
 
-The packages are installed with `pip install --target` into build/real-accelerate/ (cached, one folder
-per version, never into the dev venv), and only the ranks put that folder on their sys.path.
+The packages are installed with `pip install --target` into build/real-accelerate/ (conformance/installs.py:
+cached, one folder per version, never into the dev venv), and only the ranks put that folder on their sys.path.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import real_accelerate_targets as targets
 import torch
-from conformance import wheel
+from conformance import installs, wheel
 
 from notebook_accel import hardware
 from notebook_accel.launch import make_plan, notebook_launcher
 from notebook_accel.utils import imports
 
 ACCELERATE = wheel.VERSION
-# transformers and the dependencies the dev venv lacks, found by trying.
-TRANSFORMERS = (
-    "transformers==5.25.0", "huggingface_hub==2.4.0", "tokenizers==0.23.3", "regex==2026.12.2",
-    "httpx2==2.17.0", "httpcore2==2.17.0", "truststore==0.10.5",
-)  # fmt: skip
-CACHE = Path(__file__).resolve().parents[1] / "build" / "real-accelerate"
-_OFFLINE = ("NewConnectionError", "Network is unreachable", "Temporary failure in name resolution",
-            "Max retries exceeded", "ConnectTimeout", "ReadTimeout")  # fmt: skip
 
 no_accelerator = pytest.mark.skipif(
     hardware.detect_device_family() is not None, reason="the ranks run on the CPU only where no accelerator is"
 )
 
 
-class InstallFailed(RuntimeError):
-    def __init__(self, message: str, offline: bool):
-        super().__init__(message)
-        self.offline = offline
-
-
-def _install(name: str, requirements) -> Path:
-    """`pip install --no-deps --target` into a folder of CACHE once (named by `name` and the
-    requirements, so a changed list installs afresh); later runs reuse it."""
-    key = hashlib.sha256("\n".join(map(str, requirements)).encode()).hexdigest()[:10]
-    folder = CACHE / f"{name}-{key}"
-    if (folder / ".installed").exists():
-        return folder
-    CACHE.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE))  # renamed into place when complete
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:", "--target",
-         str(scratch), *map(str, requirements)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    if result.returncode != 0:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise InstallFailed(
-            f"pip install {' '.join(map(str, requirements))} failed:\n{result.stderr[-2000:]}",
-            offline=any(word in result.stderr for word in _OFFLINE),
-        )
-    (scratch / ".installed").touch()
-    try:
-        scratch.rename(folder)
-    except OSError:  # another run installed it first
-        shutil.rmtree(scratch, ignore_errors=True)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def accelerate_folder() -> str:
-    return str(_install(f"accelerate-{ACCELERATE}", [wheel.wheel_path()]))
+    return str(installs.install(f"accelerate-{ACCELERATE}", [wheel.wheel_path()]))
 
 
 @pytest.fixture(scope="module")
 def transformers_folder() -> str:
     try:
-        return str(_install(f"{TRANSFORMERS[0].replace('==', '-')}", TRANSFORMERS))
-    except InstallFailed as exc:
+        return str(installs.transformers())
+    except installs.InstallFailed as exc:
         if exc.offline:
             pytest.skip(f"transformers could not be installed (no network): {exc}")
         raise

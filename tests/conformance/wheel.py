@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -67,3 +68,31 @@ def source(module: str) -> Path:
     parts = ["accelerate", *[p for p in module.split(".") if p]]
     base = unpacked().joinpath(*parts)
     return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def sdist_tests() -> Path:
+    """The root of accelerate 1.15.0's source distribution with its `tests/` folder (the unit tests ship
+    only there), downloaded once (`pip download --no-binary :all:`) and unpacked once."""
+    folder = cache_dir()
+    target = folder / f"accelerate-{VERSION}-sdist"
+    done = target / ".unpacked"
+    if done.exists():
+        return target / f"accelerate-{VERSION}"
+    archive = folder / f"accelerate-{VERSION}.tar.gz"
+    if not archive.exists():
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary=:all:",
+             f"accelerate=={VERSION}", "-d", str(folder)],
+            capture_output=True, text=True, timeout=300,
+        )
+        if result.returncode != 0 or not archive.exists():
+            raise RuntimeError(
+                f"could not download accelerate=={VERSION}'s sdist from the package index into {folder}:\n"
+                f"{result.stderr[-2000:]}\nThe unit conformance run needs the index (or {archive.name} placed there)."
+            )
+    prefix = f"accelerate-{VERSION}/tests/"
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+        tar.extractall(target, members=members, filter="data")
+    done.touch()
+    return target / f"accelerate-{VERSION}"

@@ -26,6 +26,7 @@ from .hooks import (
     attach_align_device_hook,
     attach_align_device_hook_on_blocks,
 )
+from .layerwise_casting import attach_layerwise_casting_hooks  # noqa: F401  (accelerate's name here)
 from .utils.environment import parse_bool
 from .utils.modeling import (
     check_device_map,
@@ -49,6 +50,7 @@ __all__ = [
     "disk_offload",
     "dispatch_model",
     "load_checkpoint_and_dispatch",
+    "attach_layerwise_casting_hooks",
 ]
 
 _AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -58,9 +60,10 @@ _AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 @contextmanager
-def init_empty_weights(include_buffers: bool = False):
+def init_empty_weights(include_buffers: Optional[bool] = None):
     """Build a model with every parameter (and with `include_buffers`, every buffer) on the meta
-    device: shapes and dtypes only, no memory, no initialisation cost."""
+    device: shapes and dtypes only, no memory, no initialisation cost. `include_buffers` defaults
+    to env `ACCELERATE_INIT_INCLUDE_BUFFERS` (false)."""
     with init_on_device(torch.device("meta"), include_buffers=include_buffers) as f:
         yield f
 
@@ -348,12 +351,8 @@ def dispatch_model(
             "was given: pass offload_dir= (an empty folder to hold their weights)."
         )
 
-    if not force_hooks and len(devices) == 1:
+    if not force_hooks and len(devices) == 1 and "disk" not in devices:
         device = next(iter(devices))
-        if device == "disk":
-            raise ValueError(
-                "The whole model is mapped to 'disk': use disk_offload(model, offload_dir) instead."
-            )
         model.to(device)
         model.hf_device_map = dict(device_map)
         return model
@@ -413,7 +412,7 @@ def dispatch_model(
     retie_parameters(model, tied_groups)
     if any(offload.values()):
         kinds = " and ".join(sorted(d for d in devices if d in offloaded_kinds))
-        logger.info(
+        logger.warning(
             "Some blocks are offloaded to %s: their parameters sit on the meta device between calls.", kinds
         )
     _guard_moves(model)
@@ -459,6 +458,8 @@ def load_checkpoint_and_dispatch(
     preload_module_classes: Optional[list] = None,
     force_hooks: bool = False,
     strict: bool = False,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
 ) -> nn.Module:
     """Load `checkpoint` (a file, or a folder of shards with an index) into `model` (usually built
     with `init_empty_weights`) and dispatch it.
@@ -466,6 +467,9 @@ def load_checkpoint_and_dispatch(
     `device_map` is a dict, or "auto" / "balanced" / "balanced_low_0" (spread evenly over the
     accelerators, the last one with less on GPU 0) / "sequential" (fill devices in order), planned
     under `max_memory`; blocks that do not fit go to the CPU, then to `offload_folder` on disk.
+
+    `full_state_dict` and `broadcast_from_rank0` are for a model sharded over processes: see
+    `load_checkpoint_in_model`.
     """
     if isinstance(device_map, str):
         if device_map not in _AUTO_MAPS:
@@ -513,6 +517,8 @@ def load_checkpoint_and_dispatch(
         offload_state_dict=bool(offload_state_dict),
         offload_buffers=offload_buffers,
         strict=strict,
+        full_state_dict=full_state_dict,
+        broadcast_from_rank0=broadcast_from_rank0,
     )
     missing = _left_on_meta(model, device_map, offload_folder, tied_groups)
     if missing:
@@ -533,3 +539,28 @@ def load_checkpoint_and_dispatch(
         preload_module_classes=preload_module_classes,
         force_hooks=force_hooks,
     )
+
+
+# -- sequence parallelism ----------------------------------------------------------------------
+
+
+def _refuse_recurrent_layers_under_sequence_parallelism(model: nn.Module) -> None:
+    """Raise ValueError for a model with linear-attention layers about to be sharded along the sequence.
+
+    Attention gathers the whole sequence before it mixes tokens, so sharding the sequence is exact
+    for it. A linear-attention layer instead carries a state from token to token inside the
+    model's own code: each rank would restart that state at its shard, and the gradients would be
+    wrong without any error.
+    """
+    config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # a multimodal model lists its layers in the text config
+    layer_types = getattr(config, "layer_types", None) or ()
+    recurrent = sorted({kind for kind in layer_types if "linear_attention" in kind})
+    if recurrent:
+        raise ValueError(
+            f"Sequence parallelism cannot shard {type(model).__name__}: its layers of type "
+            f"{', '.join(recurrent)} carry a state along the sequence, which every rank would restart "
+            "at its own shard (wrong gradients, no error). Use a model with full attention only, or "
+            "train without sequence parallelism."
+        )

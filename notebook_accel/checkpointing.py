@@ -34,15 +34,12 @@ from .serialization import (  # noqa: F401  (save_model and friends are part of 
     save_plain,
 )
 from .utils.checkpoint_files import find_checkpoint, fsync_dir, fsync_file, fsync_tree, sibling
+from .utils.constants import OPTIMIZER_NAME, RNG_STATE_NAME, SCALER_NAME, SCHEDULER_NAME
 from .utils.random import capture_rng_states, restore_rng_states
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZER_NAME = "optimizer"
-SCHEDULER_NAME = "scheduler"
-SCALER_NAME = "scaler.pt"
-SAMPLER_NAME = "dl_state_dict"
-RNG_STATE_NAME = "random_states"
+SAMPLER_NAME = "dl_state_dict"  # the loaders' state (accelerate's utils.constants.SAMPLER_NAME is a sampler's)
 CUSTOM_NAME = "custom_checkpoint"
 CHECKPOINTS_FOLDER = "checkpoints"
 

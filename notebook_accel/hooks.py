@@ -18,9 +18,10 @@ import torch
 import torch.nn as nn
 
 from .utils import prefetch
+from .utils.lazy import lazy_exports
 from .utils.modeling import _owner, named_module_tensors, set_module_tensor_to_device, to_torch_device
 from .utils.offload import PrefixedDataset, lookup, root_loader
-from .utils.operations import send_to_device
+from .utils.operations import find_device, send_to_device
 
 __all__ = [
     "ModelHook",
@@ -30,10 +31,14 @@ __all__ = [
     "AlignDevicesHook",
     "CpuOffload",
     "UserCpuOffloadHook",
+    "LayerwiseCastingHook",  # noqa: F822  (from layerwise_casting.py, through __getattr__ below)
     "attach_execution_device_hook",
     "attach_align_device_hook",
     "attach_align_device_hook_on_blocks",
 ]
+
+# The hook of layerwise casting lives with its attach function (layerwise_casting.py, which imports us).
+__getattr__ = lazy_exports(globals(), {"LayerwiseCastingHook": "layerwise_casting"})
 
 # Instance attributes a hook installation adds; remove_hook_from_module deletes every one of them.
 _FORWARD_BEFORE = "_notebook_accel_forward_before"
@@ -175,20 +180,6 @@ def remove_hook_from_submodules(module: nn.Module) -> None:
     remove_hook_from_module(module, recurse=True)
 
 
-def _find_device(data) -> Optional[torch.device]:
-    """The device of the first tensor found in a nested structure."""
-    if isinstance(data, torch.Tensor):
-        return data.device
-    if isinstance(data, Mapping):
-        data = list(data.values())
-    if isinstance(data, (list, tuple)):
-        for item in data:
-            device = _find_device(item)
-            if device is not None:
-                return device
-    return None
-
-
 def _is_meta(device) -> bool:
     return device == "meta" or (isinstance(device, torch.device) and device.type == "meta")
 
@@ -292,7 +283,7 @@ class AlignDevicesHook(ModelHook):
 
     def pre_forward(self, module, *args, **kwargs):
         if self.io_same_device:
-            self.input_device = _find_device([args, kwargs])
+            self.input_device = find_device([args, kwargs])
         if self.offload:
             self._release_tied()  # a forward that raised never reached post_forward
             tied = self.tied_params_map
@@ -526,7 +517,7 @@ def _attach_align(module: nn.Module, module_name: str, settings: _HookSettings) 
 def attach_align_device_hook_on_blocks(
     module: nn.Module,
     execution_device=None,
-    offload=None,
+    offload=False,
     weights_map: Optional[Mapping] = None,
     offload_buffers: bool = False,
     module_name: str = "",

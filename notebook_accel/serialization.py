@@ -15,13 +15,16 @@ import uuid
 
 import torch
 
+from .utils import constants
 from .utils.checkpoint_files import fsync_dir, fsync_file
 from .utils.memory import parse_memory_size
 
 logger = logging.getLogger(__name__)
 
-MODEL_NAME = "model"
-WEIGHTS_NAME = "pytorch_model"
+# The stems of weight files: "model" (safetensors) and "pytorch_model" (torch .bin), accelerate's
+# SAFE_MODEL_NAME and MODEL_NAME.
+MODEL_NAME = constants.SAFE_MODEL_NAME
+WEIGHTS_NAME = constants.MODEL_NAME
 _ALIASES_KEY = "notebook_accel.aliases"  # safetensors metadata: {alias: stored name}
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from notebook_accel.big_modeling import (
+    _refuse_recurrent_layers_under_sequence_parallelism,
     cpu_offload,
     cpu_offload_with_hook,
     disk_offload,
@@ -129,6 +131,20 @@ def test_dispatch_mixing_cpu_and_disk_matches_plain_model(tmp_path, make, device
         assert out.device.type == "cpu"
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     assert all(model.get_parameter(n).device.type == "meta" for n in disk_params)
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["every-block", "root"])
+def test_dispatch_with_everything_on_disk_streams_from_the_folder(tmp_path, whole):
+    # As in accelerate: an all-"disk" map is dispatched with hooks (it used to be refused).
+    model = _lm()
+    x = _inputs(model)
+    expected = model(x)
+    device_map = {"": "disk"} if whole else dict.fromkeys(LM_MAP, "disk")
+    dispatch_model(model, device_map, offload_dir=tmp_path)
+    assert (tmp_path / "index.json").is_file()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    for _ in range(2):
+        torch.testing.assert_close(model(x), expected, atol=ATOL, rtol=0)
 
 
 def test_dispatch_streams_cpu_blocks_to_a_distinct_main_device():
@@ -370,11 +386,12 @@ def test_load_checkpoint_and_dispatch_with_dict_and_none(tmp_path):
 
 
 def test_unknown_module_in_device_map_is_named(tmp_path):
+    # As in accelerate, a key that names no module is warned about, not refused: it places nothing.
     model = _lm()
     bad = dict(LM_MAP, **{"blocks.7": "cpu"})
-    with pytest.raises(ValueError, match=r"blocks\.7"):
+    with pytest.warns(UserWarning, match=r"blocks\.7"):
         dispatch_model(model, bad, offload_dir=tmp_path)
-    assert "_hf_hook" not in model.__dict__
+    assert model.hf_device_map == bad
 
 
 def test_disk_plan_without_offload_folder_raises(tmp_path):
@@ -421,3 +438,14 @@ def test_a_device_this_machine_lacks_is_named_before_anything_moves(tmp_path):
     with pytest.raises(ValueError, match=expected):
         load_checkpoint_and_dispatch(empty, path, device_map=bad, offload_folder=tmp_path / "off")
     assert not (tmp_path / "off").exists()  # nothing was written before the error
+
+
+def test_sequence_parallelism_refuses_layers_with_a_recurrent_state():
+    # A multimodal model lists its layers in its text config.
+    text = SimpleNamespace(layer_types=["full_attention", "linear_attention", "linear_attention"])
+    model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
+    with pytest.raises(ValueError, match="of type linear_attention carry a state"):
+        _refuse_recurrent_layers_under_sequence_parallelism(model)
+    plain = SimpleNamespace(config=SimpleNamespace(layer_types=["sliding_attention", "full_attention"]))
+    _refuse_recurrent_layers_under_sequence_parallelism(plain)
+    _refuse_recurrent_layers_under_sequence_parallelism(nn.Linear(2, 2))  # no config at all

@@ -1,24 +1,24 @@
 """Planning where each module of a model lives: `infer_auto_device_map` and `get_balanced_memory`.
 
-The plan fills devices in order (accelerator ids, then "cpu", then "disk"), walking the model's
-modules in definition order. A module that does not fit is split into its children unless it is a
-leaf or of a class in `no_split_module_classes`; one that cannot be split moves to the next
-device. Tied parameters go to the device of their first holder, together with their other holders.
+The plan follows accelerate's: devices are filled in order (accelerator ids, then "cpu", then
+"disk"), walking a queue of the model's modules in definition order. A module that does not fit
+is split into its children unless it is a leaf or of a class in `no_split_module_classes`; one
+that cannot be split moves to the next device. A module goes together with the modules holding
+the parameters tied to it; when those do not fit, the tied holders are split first.
 
-A main device (the first accelerator, and the CPU) keeps room for the largest layer only when some
-layers are offloaded below it: offloaded layers are brought there to run. accelerate always
-reserves it, which leaves memory unused whenever the whole model fits.
+The main devices (the first accelerator, and the CPU) always keep room for the largest layer
+still to place, the one that may be offloaded below them and brought there to run.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Optional
 
 import torch
 
 from .modeling import (
-    _layers,
     clean_device_map,
     compute_module_sizes,
     find_tied_parameters,
@@ -52,7 +52,7 @@ def _children(name: str, obj) -> list:
     return [(prefix + n, o) for n, o in parts]
 
 
-def _splittable(obj, no_split: set) -> bool:
+def _splittable(obj, no_split) -> bool:
     return (
         isinstance(obj, torch.nn.Module)
         and type(obj).__name__ not in no_split
@@ -60,101 +60,211 @@ def _splittable(obj, no_split: set) -> bool:
     )
 
 
-def _tie_group(queue: list, ties: list) -> list:
-    """Indices of the queue entries that must share a device with queue[0] (queue[0] included)."""
-    group, pending = [0], [0]
-    while pending:
-        entry = queue[pending.pop()][0]
-        for tie in ties:
-            if not any(_inside(entry, n) for n in tie):
-                continue
-            for name in tie:
-                if _inside(entry, name):
-                    continue
-                for i, (other, _) in enumerate(queue):
-                    if i not in group and _inside(other, name):
-                        group.append(i)
-                        pending.append(i)
-    return group
+def _holder(tensor_name: str, modules: list) -> Optional[int]:
+    """Index of the entry of `modules` ((name, module or tensor) pairs) that holds `tensor_name`, or
+    None; a split module's own parameter is an entry of its own (accelerate fails on one)."""
+    return next((i for i, (n, _) in enumerate(modules) if _inside(n, tensor_name) and n), None)
+
+
+def get_module_size_with_ties(tied_params, module_size, module_sizes, modules_to_treat) -> tuple:
+    """(size, names, modules): `module_size` plus the entries of `modules_to_treat` that hold
+    `tied_params` (parameters tied to the module, held outside it), which must go with it.
+
+    A holder counts once, less its tied parameters (the module already counts them); holders come
+    in the order of `tied_params`, and a tied parameter no entry holds adds nothing.
+    """
+    names, modules, size = [], [], module_size
+    for tensor_name in tied_params:
+        i = _holder(tensor_name, modules_to_treat)
+        if i is None:
+            continue
+        name, module = modules_to_treat[i]
+        if name not in names:
+            names.append(name)
+            modules.append(module)
+            size += module_sizes.get(name, 0)
+        size -= module_sizes.get(tensor_name, 0)
+    return size, names, modules
 
 
 class _Planner:
-    def __init__(self, model, devices, capacity, sizes, ties, no_split, fallback, verbose):
-        self.model, self.devices, self.capacity = model, devices, capacity
-        self.sizes, self.ties, self.no_split = sizes, ties, no_split
-        self.fallback, self.verbose = fallback, verbose
+    """One run of the placement: the queue of entries left, and what each device holds."""
+
+    def __init__(self, model, budgets, sizes, ties, no_split, options):
+        self.budgets, self.sizes, self.ties, self.no_split = budgets, sizes, ties, no_split
+        self.verbose, self.offload_buffers, self.fallback = options
+        self.devices = list(budgets) + ([] if "disk" in budgets else ["disk"])
+        self.gpus = [d for d in self.devices if d not in ("cpu", "disk")]
+        # The devices an offloaded layer is brought to, to run: they keep room for the largest one.
+        self.main = ["mps"] if "mps" in self.gpus else self.gpus[:1] + ["cpu"]
+        self.queue = _children("", model)
+        self.used = {d: 0 for d in self.devices}
+        self.buffers = {}  # device -> bytes of buffers of the modules placed there
+        self.short = {}  # device -> what the first entry it could not take needed there
+        self.tried = {}  # device -> names a fallback already picked for it (so it ends)
+        self.device_map = {}
+        self.index = 0
+        self.layer_size, self.layer_names = get_max_layer_size(self.queue, sizes, no_split)
 
     def _say(self, text: str) -> None:
         if self.verbose:
             print(text)
 
-    def plan(self, reserve: dict) -> list:
-        """[(name, module or tensor, device)] in placement order."""
-        if type(self.model).__name__ in self.no_split:
-            queue = [("", self.model)]
-        else:
-            queue = _children("", self.model)
-        placed, index, used, here = [], 0, 0, 0
-        while queue:
-            device = self.devices[index]
-            limit = self.capacity[device]
-            if limit is not None:
-                limit -= reserve.get(device, 0)
-            group = _tie_group(queue, self.ties)
-            size = sum(self.sizes.get(queue[i][0], 0) for i in group)
-            if limit is None or used + size <= limit:
-                for i in sorted(group, reverse=True):
-                    name, obj = queue.pop(i)
-                    placed.append((name, obj, device))
-                    self._say(f"{name or '<model>'} ({self.sizes.get(name, 0)} bytes) -> {device!r}")
-                used += size
-                here += len(group)
-                continue
-            split = next((i for i in group if _splittable(queue[i][1], self.no_split)), None)
-            if split is not None:
-                name, obj = queue[split]
-                self._say(
-                    f"{name or '<model>'} ({size} bytes with its ties) does not fit in {device!r}: splitting it"
-                )
-                queue[split : split + 1] = _children(name, obj)
-                continue
-            if self.fallback and here == 0 and limit is not None and self._fill(queue, device, limit, placed):
-                here, used = 1, self.sizes.get(placed[-1][0], 0)
-                continue
-            self._say(f"{queue[0][0] or '<model>'} ({size} bytes) does not fit in {device!r}: next device")
-            index += 1
-            used = here = 0
-            if index == len(self.devices):
-                left = [name or "<model>" for name, _ in queue]
-                raise ValueError(
-                    f"The model does not fit in max_memory: nothing is left for {left}. Raise a budget, or leave "
-                    f"'disk' out of max_memory so the rest is offloaded to disk without a limit."
-                )
-        return placed
+    def _largest_layer(self) -> None:
+        modules = [(n, o) for n, o in self.queue if isinstance(o, torch.nn.Module)]
+        self.layer_size, self.layer_names = get_max_layer_size(modules, self.sizes, self.no_split)
 
-    def _fill(self, queue: list, device, limit: int, placed: list) -> bool:
-        """Put the first layer that fits (breadth-first, no ties outside it) on an otherwise empty device."""
-        pending = [(name, obj, [name]) for name, obj in queue]
-        while pending:
-            name, obj, path = pending.pop(0)
-            size = self.sizes.get(name, 0)
-            tied_out = any(
-                any(_inside(name, n) for n in tie) and not all(_inside(name, n) for n in tie)
-                for tie in self.ties
+    def _tied_outside(self, *names: str) -> list:
+        """The parameters tied to one inside `names` but held outside them."""
+        outside = []
+        for group in self.ties:
+            inside = [any(_inside(name, n) for name in names) for n in group]
+            if any(inside) and not all(inside):
+                outside += [n for n, held in zip(group, inside) if not held]
+        return outside
+
+    def _with_ties(self, name: str, size: int, outside: list) -> tuple:
+        """(size, names, modules): `name` with the queue entries holding its ties, and theirs in turn.
+
+        The first round is accelerate's; the next ones take the ties of the holders it brings, which
+        would otherwise be left in the queue with a partner already placed (accelerate fails there).
+        """
+        total, names, modules = get_module_size_with_ties(outside, size, self.sizes, self.queue)
+        while True:
+            rest = [(n, o) for n, o in self.queue if n not in names]
+            more = get_module_size_with_ties(self._tied_outside(name, *names), 0, self.sizes, rest)
+            if not more[1]:
+                return total, names, modules
+            total += more[0]
+            names, modules = names + more[1], modules + more[2]
+
+    def run(self) -> dict:
+        while self.queue:
+            name, obj = self.queue.pop(0)
+            # The largest layer still to place may have been this one.
+            self.layer_names = [n for n in self.layer_names if not _inside(name, n)]
+            if not self.layer_names:
+                self._largest_layer()
+            self._treat(name, obj)
+        return self.device_map
+
+    def _treat(self, name: str, obj) -> None:
+        size = self.sizes.get(name, 0)
+        outside = self._tied_outside(name)
+        device = self.devices[self.index]
+        limit = self.budgets.get(device)  # None: the disk without a budget
+        reserve = self.layer_size if device in self.main else 0
+        if limit is not None:
+            limit -= reserve
+        total, tied_names, tied_modules = self._with_ties(name, size, outside)
+        used = self.used[device]
+        if limit is None or used + total <= limit:
+            self._place(name, obj, device, total, tied_names)
+            return
+        if outside and used + size <= limit and self._split_tied(name, obj, tied_names, tied_modules):
+            return
+        if used + size >= limit and _splittable(obj, self.no_split):
+            self._say(f"{name} ({size} bytes) does not fit in {device!r} ({limit - used} left): splitting it")
+            self.queue[:0] = _children(name, obj)
+            self._largest_layer()
+            return
+        if used == 0 and self.fallback and device != "disk" and self._fall_back(name, obj, device, total):
+            return
+        if used == 0:
+            self.short[device] = total + reserve
+        self._say(f"{name} ({total} bytes with its ties) does not fit in {device!r}: next device")
+        self.used[device] += reserve
+        self.index += 1
+        self.queue.insert(0, (name, obj))
+        if self.index == len(self.devices):
+            raise ValueError(
+                f"The model does not fit in max_memory: nothing is left for {name!r} and what follows it. Raise a "
+                f"budget, or leave 'disk' out of max_memory so the rest is offloaded to disk without a limit."
             )
-            if size <= limit and not tied_out:
-                # Open up the entries above the chosen one so the rest of it stays in the queue.
-                for step in path[:-1]:
-                    i = next(k for k, (n, _) in enumerate(queue) if n == step)
-                    queue[i : i + 1] = _children(step, queue[i][1])
-                i = next(k for k, (n, _) in enumerate(queue) if n == name)
-                queue.pop(i)
-                placed.append((name, obj, device))
-                self._say(f"fallback: {name} ({size} bytes) -> {device!r}")
-                return True
-            if _splittable(obj, self.no_split):
-                pending.extend((n, o, path + [n]) for n, o in _children(name, obj))
+
+    def _place(self, name, obj, device, total, tied_names) -> None:
+        self._say(f"{name} ({total} bytes with its ties {tied_names}) -> {device!r}")
+        self.used[device] += total
+        self.device_map[name] = device
+        for tied in tied_names:
+            i = next((k for k, (n, _) in enumerate(self.queue) if n == tied), None)
+            if i is not None:
+                self.queue.pop(i)
+            self.device_map[tied] = device
+        # The largest layer left may have gone with them (accelerate keeps room for it still).
+        self.layer_names = [n for n in self.layer_names if not any(_inside(t, n) for t in tied_names)]
+        if not self.layer_names:
+            self._largest_layer()
+        if not self.offload_buffers and isinstance(obj, torch.nn.Module):
+            held = sum(self.sizes.get(f"{name}.{b}", 0) for b, _ in obj.named_buffers())
+            self.buffers[device] = self.buffers.get(device, 0) + held
+
+    def _split_tied(self, name, obj, tied_names, tied_modules) -> bool:
+        """Split the first tied holder that can be, so that part of it may go with `name`."""
+        for tied, module in zip(tied_names, tied_modules):
+            if not _splittable(module, self.no_split):
+                continue
+            self._say(f"{name} fits but not with {tied_names}: splitting {tied}")
+            i = next(k for k, (n, _) in enumerate(self.queue) if n == tied)
+            self.queue[i : i + 1] = _children(tied, module)
+            self.queue.insert(0, (name, obj))
+            self._largest_layer()
+            return True
         return False
+
+    def _fall_back(self, name, obj, device, total) -> bool:
+        """Put on `device`, still empty, the first entry (depth first) that fits beside the room kept."""
+        limit = self.budgets[device] - max(self.layer_size, total)
+        tried = self.tried.setdefault(device, set())
+        search = list(self.queue)
+        while search:
+            entry, module = search.pop(0)
+            outside = self._tied_outside(entry)
+            # Every holder of its ties must be at hand to count: accelerate fails on one it passed.
+            reachable = entry not in tried and all(_holder(p, search) is not None for p in outside)
+            size = get_module_size_with_ties(outside, self.sizes.get(entry, 0), self.sizes, search)[0]
+            if reachable and size <= limit:
+                tried.add(entry)
+                self._open_to(entry)
+                i = next(k for k, (n, _) in enumerate(self.queue) if n == entry)
+                found = self.queue.pop(i)
+                self._say(f"fallback: {entry} -> {device!r}")
+                self.queue[:0] = [found, (name, obj)]
+                return True
+            if _splittable(module, self.no_split):
+                search[:0] = _children(entry, module)
+        return False
+
+    def _open_to(self, entry: str) -> None:
+        """Split the queue entries above `entry` until it is an entry itself."""
+        while not any(n == entry for n, _ in self.queue):
+            i = next(k for k, (n, _) in enumerate(self.queue) if _inside(n, entry))
+            parent, module = self.queue[i]
+            self.queue[i : i + 1] = _children(parent, module)
+
+    def warn_about_buffers(self) -> None:
+        """Buffers of offloaded modules stay on the execution device: warn when no accelerator has room."""
+        offloaded = self.buffers.get("cpu", 0) + self.buffers.get("disk", 0)
+        if self.offload_buffers or not offloaded or not self.gpus:
+            return
+        if any(self.budgets.get(g, 0) >= offloaded + self.used.get(g, 0) for g in self.gpus):
+            return
+        warnings.warn(
+            f"Current model requires {offloaded} bytes of buffer for offloaded layers, which seems does not fit "
+            f"any accelerator's remaining memory: the buffers stay on the execution device. If it runs out of "
+            f"memory, pass offload_buffers=True.",
+            stacklevel=3,
+        )
+
+    def report_short(self) -> None:
+        if not self.short:
+            return
+        lines = "\n".join(f"  - {device}: {need} bytes required" for device, need in self.short.items())
+        logger.info(
+            "No module could be placed on these devices, for insufficient memory:\n%s\nEach needs at least "
+            "that much (in this plan) to take one; raise its budget or change the model's split.",
+            lines,
+        )
 
 
 def infer_auto_device_map(
@@ -172,62 +282,30 @@ def infer_auto_device_map(
 
     Devices are filled in order: accelerator ids, then "cpu", then "disk" (unlimited unless
     `max_memory` gives it a size). Budgets may be strings ("10GiB", "500MB") or ints; without
-    `max_memory`, what is free on this machine. `no_split_module_classes` (class names) are never
-    split across devices, tied parameters are kept on one device, and `dtype`/`special_dtypes`
-    size the weights as they will be loaded. With `clean_result`, children that share a device
-    are merged into their parent. With `fallback_allocation`, a device too small for the next
-    module still gets the first smaller layer that fits, rather than nothing.
+    `max_memory`, what is free on this machine. The first accelerator and the CPU keep room for
+    the largest layer left to place. `no_split_module_classes` (class names) are never split across
+    devices, tied parameters go together, and `dtype`/`special_dtypes` size the weights as they will
+    be loaded. With `clean_result`, children that share a device are merged into their parent.
+    With `fallback_allocation`, a device too small for the next module still gets the first
+    smaller layer that fits. Warns when the buffers of offloaded modules (which stay on the
+    execution device unless `offload_buffers`) fit no accelerator.
     """
+    from .other import check_tied_parameters_in_config
+
     budgets = get_max_memory(max_memory)
-    capacity = {d: b for d, b in budgets.items() if d != "disk" and b > 0}
-    capacity["disk"] = budgets.get("disk")  # None: no limit
-    devices = list(capacity)
-    accelerators = [d for d in devices if d not in ("cpu", "disk")]
-    main = accelerators[:1] + (["cpu"] if "cpu" in devices else [])
-    no_split = set(_as_list(no_split_module_classes))
+    no_split = _as_list(no_split_module_classes)
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
     ties = find_tied_parameters(model)
-    planner = _Planner(model, devices, capacity, sizes, ties, no_split, fallback_allocation, verbose)
-
-    # Reserve room on a main device for the largest layer run from below it, only when there is
-    # one; a bigger reserve only pushes more below, so this settles in a few rounds.
-    reserve = {}
-    for _ in range(6):
-        placed = planner.plan(reserve)
-        need = dict(reserve)
-        for device in main:
-            runs_from = ("disk",) if device == "cpu" else ("cpu", "disk")
-            below = [(n, o) for n, o, d in placed if d in runs_from]
-            if below:
-                layer = max((sizes.get(n, 0) for n, _ in _layers(below, no_split)), default=0)
-                need[device] = max(need.get(device, 0), layer)
-        if need == reserve:
-            break
-        reserve = need
-        planner._say(f"reserving room for the largest offloaded layer: {reserve}")
-    else:
-        placed = planner.plan(reserve)
-
-    device_map = {name: device for name, _, device in placed}
-    if not offload_buffers and main:
-        runner = main[0]
-        runs_from = ("disk",) if runner == "cpu" else ("cpu", "disk")
-        offloaded = [o for _, o, d in placed if d in runs_from]
-        buffer_bytes = sum(
-            b.numel() * b.element_size()
-            for o in offloaded
-            for b in (o.buffers() if isinstance(o, torch.nn.Module) else [])
+    if not ties and check_tied_parameters_in_config(model):
+        logger.warning(
+            "The model weights are not tied: call model.tie_weights() before planning its device map."
         )
-        used = sum(sizes.get(n, 0) for n, _, d in placed if d == runner)
-        if buffer_bytes and capacity.get(runner) is not None and used + buffer_bytes > capacity[runner]:
-            logger.warning(
-                "The offloaded modules' buffers (%d bytes) stay on %r and may not fit in its budget; pass "
-                "offload_buffers=True to offload them too.",
-                buffer_bytes,
-                runner,
-            )
+    planner = _Planner(model, budgets, sizes, ties, no_split, (verbose, offload_buffers, fallback_allocation))
+    device_map = planner.run()
     if clean_result:
         device_map = clean_device_map(device_map)
+    planner.warn_about_buffers()
+    planner.report_short()
     return device_map
 
 

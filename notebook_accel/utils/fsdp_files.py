@@ -14,10 +14,8 @@ import os
 
 import torch
 
+from .constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from .dcp_plain import PlainLoadPlanner, PlainReader, one_process_quietly
-
-FSDP_MODEL_NAME = "pytorch_model_fsdp"
-OPTIMIZER_NAME = "optimizer"
 
 
 def _full(plugin) -> bool:

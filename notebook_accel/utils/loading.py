@@ -79,10 +79,15 @@ class LoadReport:
 def _files_from_index(index_path: str) -> list:
     try:
         with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+            index = json.load(f)
+        # transformers' {"metadata": ..., "weight_map": {name: file}}, or the bare {name: file}.
+        weight_map = index["weight_map"] if "weight_map" in index else index
+        if not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError("its values are not all file names")
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointReadError(
-            f"Cannot read the checkpoint index {index_path}: {exc}. Expected json with a 'weight_map'."
+            f"Cannot read the checkpoint index {index_path}: {exc}. Expected json {{'weight_map': {{name: file}}}} "
+            f"or {{name: file}}."
         ) from None
     folder = os.path.dirname(os.path.abspath(index_path))
     files = [os.path.join(folder, name) for name in dict.fromkeys(weight_map.values())]
@@ -211,6 +216,8 @@ def load_checkpoint_in_model(
     keep_in_fp32_modules: Optional[list] = None,
     offload_8bit_bnb: bool = False,
     strict: bool = False,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
 ) -> LoadReport:
     """Load `checkpoint` into `model` (which may be on the meta device), tensor by tensor.
 
@@ -222,8 +229,20 @@ def load_checkpoint_in_model(
     unexpected keys are listed in the result and logged; with `strict` they raise before anything
     is loaded. `offload_state_dict` is accepted for compatibility: loading already streams, so there
     is nothing to stage on disk. `offload_8bit_bnb` is ignored (bitsandbytes is not supported).
+
+    Sharded (DTensor) parameters, as FSDP2 makes them, take their shard of the checkpoint's full
+    tensor (`full_state_dict`, the default), or, with `full_state_dict=False`, the checkpoint's
+    tensor as their local shard. With `broadcast_from_rank0` (an initialised torch.distributed
+    process group is needed), only rank 0 reads the checkpoint and sends each tensor to the others.
     """
     del offload_state_dict, offload_8bit_bnb  # see the docstring
+    from . import loading_ranks  # it reads files through this module: imported here, not at the top
+
+    if broadcast_from_rank0 and not full_state_dict:
+        raise ValueError(
+            "broadcast_from_rank0 sends the full tensors from rank 0: it needs full_state_dict=True."
+        )
+    rank = loading_ranks.process_group_rank() if broadcast_from_rank0 else None
     if device_map is not None:
         check_device_map(model, device_map)
         check_devices_exist(device_map)
@@ -243,7 +262,10 @@ def load_checkpoint_in_model(
     allowed = set(expected) | set(current)
     buffers = {name for name, _ in model.named_buffers()}
 
-    files = [_WeightsFile(path) for path in checkpoint_files(checkpoint)]  # headers only: fails early
+    if rank is None:
+        files = [_WeightsFile(path) for path in checkpoint_files(checkpoint)]  # headers only: fails early
+    else:
+        files = loading_ranks.broadcast_files(checkpoint, rank)
     provided = {name for f in files for name in f.names}
     unexpected = sorted(provided - allowed)
     tie_partner = {name: group for group in tied for name in group}
@@ -299,11 +321,20 @@ def load_checkpoint_in_model(
                 loaded.add(name)
                 continue
             value = weights.read(name)
+            if loading_ranks.is_dtensor(old):
+                loading_ranks.load_shard(owner, local, value.to(final), full_state_dict)
+                loaded.add(name)
+                continue
             if value.dtype == final and str(device) == "cpu":
                 # The read tensor maps the file; a copy keeps the model independent of it.
                 value = value.clone()
             set_module_tensor_to_device(
-                model, name, device, value=value, dtype=final if dtype is not None else None
+                model,
+                name,
+                device,
+                value=value,
+                dtype=final if dtype is not None else None,
+                clear_cache=False,
             )
             loaded.add(name)
             del value
@@ -313,13 +344,20 @@ def load_checkpoint_in_model(
     retie_parameters(model, tied)
     if index:
         save_offload_index(index, offload_folder)
-    if missing or unexpected:
+    if unexpected:
         logger.warning(
-            "Loading %s into %s: missing keys %s, unexpected keys %s.",
+            "Some weights of the checkpoint %s were not used when loading it into %s: %s. The checkpoint holds "
+            "tensors the model does not have: check that they belong to each other.",
             os.fspath(checkpoint),
             type(model).__name__,
-            missing,
             unexpected,
+        )
+    if missing:
+        logger.warning(
+            "Some weights of %s were not in the checkpoint %s and keep their current values: %s.",
+            type(model).__name__,
+            os.fspath(checkpoint),
+            missing,
         )
     return LoadReport(missing_keys=missing, unexpected_keys=unexpected, offloaded_keys=offloaded)
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections import defaultdict
 from typing import Optional
 
 import torch
 
 from . import current, families
+from .constants import WEIGHTS_INDEX_NAME  # noqa: F401  (accelerate exports it here too)
 from .lazy import lazy_exports
 from .memory import parse_memory_size
 
@@ -27,9 +29,13 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def dtype_byte_size(dtype) -> int:
-    """Bytes one element of `dtype` takes (torch.float16 -> 2; bool takes a whole byte in torch)."""
-    return _element_size(_as_dtype(dtype))
+def dtype_byte_size(dtype):
+    """Bytes one element of `dtype` takes (torch.float16 -> 2), as accelerate counts them: a bool is
+    one bit, 1/8. Sizes here (`compute_module_sizes`) count a bool as the byte torch stores."""
+    dtype = _as_dtype(dtype)
+    if dtype == torch.bool:
+        return 1 / 8
+    return _element_size(dtype)
 
 
 def _as_dtype(dtype) -> torch.dtype:
@@ -46,13 +52,17 @@ def _converts(tensor_dtype: torch.dtype) -> bool:
     return tensor_dtype.is_floating_point or tensor_dtype.is_complex
 
 
-def get_non_persistent_buffers(module: torch.nn.Module, recurse: bool = False) -> set:
-    """Names of the buffers left out of `state_dict` (relative to `module`)."""
+def get_non_persistent_buffers(module: torch.nn.Module, recurse: bool = False, fqns: bool = False) -> set:
+    """Names of the buffers left out of `state_dict`, a new set (the modules' own are not touched).
+
+    With `recurse`, those of every submodule too: by their own name, as accelerate gives them, or
+    with `fqns` by their name relative to `module` ("sub.mask").
+    """
     names = set(module._non_persistent_buffers_set)
     if recurse:
         for prefix, sub in module.named_modules():
             if prefix:
-                names |= {f"{prefix}.{n}" for n in sub._non_persistent_buffers_set}
+                names |= {f"{prefix}.{n}" if fqns else n for n in sub._non_persistent_buffers_set}
     return names
 
 
@@ -65,7 +75,7 @@ def named_module_tensors(
     """(name, tensor) for the parameters of `module`, then its buffers; a shared tensor appears once."""
     yield from module.named_parameters(recurse=recurse)
     if include_buffers:
-        skip = get_non_persistent_buffers(module, recurse=recurse) if remove_non_persistent else set()
+        skip = get_non_persistent_buffers(module, recurse, fqns=True) if remove_non_persistent else set()
         for name, buffer in module.named_buffers(recurse=recurse):
             if name not in skip:
                 yield name, buffer
@@ -88,8 +98,8 @@ def compute_module_sizes(
     `special_dtypes` overrides it per tensor name. Meta tensors count as numel * itemsize, and a
     tied tensor counts once, under the first name that holds it.
     """
-    dtype_size = dtype_byte_size(dtype) if dtype is not None else None
-    special_sizes = {n: dtype_byte_size(d) for n, d in (special_dtypes or {}).items()}
+    dtype_size = _element_size(_as_dtype(dtype)) if dtype is not None else None
+    special_sizes = {n: _element_size(_as_dtype(d)) for n, d in (special_dtypes or {}).items()}
     sizes = defaultdict(int)
     tensors = model.named_buffers() if buffers_only else named_module_tensors(model, recurse=True)
     for name, tensor in tensors:
@@ -232,6 +242,8 @@ def set_module_tensor_to_device(
     dtype=None,
     fp16_statistics=None,
     tied_params_map: Optional[dict] = None,
+    non_blocking: bool = False,
+    clear_cache: bool = True,
 ) -> None:
     """Put the parameter or buffer `tensor_name` (dotted, relative to `module`) on `device`.
 
@@ -240,7 +252,9 @@ def set_module_tensor_to_device(
     dtype), except integer and bool tensors, which keep theirs. A parameter stays a parameter of
     the same class with the same requires_grad. `tied_params_map` ({value.data_ptr(): {torch.device:
     tensor}}; 0 and "cuda:0" are one key) lets tied weights reuse the copy already made on `device`:
-    only sources whose data_ptr has a slot are recorded.
+    only sources whose data_ptr has a slot are recorded. `non_blocking` copies asynchronously where
+    the devices allow it. With `clear_cache`, replacing a tensor that was on an accelerator returns
+    the accelerator's cached memory to the driver.
     """
     if value is not None and not isinstance(value, torch.Tensor):
         value = torch.as_tensor(value)
@@ -271,7 +285,8 @@ def set_module_tensor_to_device(
         new = value.detach()
         if tuple(new.shape) != tuple(old.shape):
             raise ValueError(
-                f"Shape mismatch for {tensor_name!r}: the model has {list(old.shape)}, the value given is {list(new.shape)}."
+                f'Trying to set a tensor of shape {new.shape} in "{name}" (which has shape {old.shape}), '
+                f"this looks incorrect."
             )
     want = _as_dtype(dtype) if dtype is not None else (old.dtype if value is not None else None)
     if (
@@ -279,8 +294,8 @@ def set_module_tensor_to_device(
         and new.dtype != want
         and (_converts(new.dtype) or (dtype is None and value is not None))
     ):
-        new = new.to(want)
-    new = new.to(target)
+        new = new.to(want, non_blocking=non_blocking)
+    new = new.to(target, non_blocking=non_blocking)
     if value is None and new.dtype == old.dtype and new.device == old.device:
         return  # already there: keep the same object, so ties and optimizer references hold
 
@@ -296,13 +311,22 @@ def set_module_tensor_to_device(
             param = cls(new, requires_grad=requires_grad)
             param.__dict__.update(old_param.__dict__)
         if fp16_statistics is not None:
-            param.SCB = fp16_statistics.to(target)
+            param.SCB = fp16_statistics.to(target, non_blocking=non_blocking)
         owner._parameters[name] = param
         new = param
+        del old_param
     if value is not None and tied_params_map is not None and value.device.type != "meta":
         slot = tied_params_map.get(value.data_ptr())
         if slot is not None:
             slot[target] = new
+    # Only what the replaced tensor held on an accelerator is worth giving back: a tensor coming from
+    # the CPU or meta (the offload hooks, at every forward) frees nothing there, and emptying the
+    # cache would only make the next allocations ask the driver again.
+    if clear_cache and target.type not in ("cpu", "meta") and old.device.type not in ("cpu", "meta"):
+        from .memory import clear_device_cache
+
+        del old
+        clear_device_cache()
 
 
 # -- device maps ---------------------------------------------------------------------------------
@@ -360,7 +384,11 @@ def check_devices_exist(device_map: dict) -> None:
 
 
 def check_device_map(model: torch.nn.Module, device_map: dict) -> None:
-    """Raise ValueError unless `device_map` names only real modules/tensors and covers every tensor."""
+    """Raise ValueError unless `device_map` covers every tensor of `model` with a valid device.
+
+    A key that names no module or tensor of `model` is only warned about (UserWarning), as
+    accelerate does: it places nothing.
+    """
     if not isinstance(device_map, dict):
         raise ValueError(f"A device map is a dict {{module name: device}}, not {type(device_map).__name__}.")
     modules = {name for name, _ in model.named_modules()}
@@ -372,9 +400,11 @@ def check_device_map(model: torch.nn.Module, device_map: dict) -> None:
             :5
         ]
         hint = f" Modules with a similar last name: {near}." if near else ""
-        raise ValueError(
-            f"The device map names modules that {type(model).__name__} does not have: {unknown}.{hint} "
-            f"Keys must be module or tensor names from model.named_modules() / model.state_dict()."
+        warnings.warn(
+            f"These device_map keys do not match any submodules in {type(model).__name__}, and place nothing: "
+            f"{unknown}.{hint} Keys are module or tensor names from model.named_modules() / model.state_dict().",
+            UserWarning,
+            stacklevel=2,
         )
     for key, device in device_map.items():
         _check_device_value(key, device)
@@ -475,6 +505,7 @@ def get_max_memory(max_memory: Optional[dict] = None) -> dict:
 # resolved on first use so that importing either module first works.
 _ELSEWHERE = {
     "get_balanced_memory": "device_map",
+    "get_module_size_with_ties": "device_map",
     "infer_auto_device_map": "device_map",
     "LoadReport": "loading",
     "CheckpointReadError": "loading",
@@ -501,3 +532,24 @@ __getattr__ = lazy_exports(globals(), _ELSEWHERE)
 
 def __dir__():
     return sorted(list(globals()) + list(_ELSEWHERE))
+
+
+def get_state_dict_from_offload(
+    module: torch.nn.Module,
+    module_name: str,
+    state_dict: dict,
+    device_to_put_offload="cpu",
+) -> dict:
+    """Fill the entries of `state_dict` that belong to `module` (named `module_name`, a dotted
+    tensor name such as "linear2.weight") with its tensors, onloaded to `device_to_put_offload`
+    when an offloading hook keeps them elsewhere; a module that is not offloaded stays where it is."""
+    from .other import align_module_device, has_offloaded_params
+
+    prefix = module_name.rpartition(".")[0]  # the module's own name, without ".weight" / ".bias"
+    device = device_to_put_offload if has_offloaded_params(module) else None
+    with align_module_device(module, device):
+        for key, tensor in module.state_dict().items():
+            full = f"{prefix}.{key}"
+            if full in state_dict:
+                state_dict[full] = tensor
+    return state_dict

@@ -9,13 +9,12 @@ exactly from `state_dict()`; see `DataLoaderStateMixin.state_dict` for the contr
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import warnings
 from typing import Callable, Iterable, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from .loader_state import _END, DataLoaderStateMixin, _check_count
 from .samplers import (
@@ -23,6 +22,9 @@ from .samplers import (
     IterableDatasetShard,
     SeedableRandomSampler,
     SkipBatchSampler,
+    _shuffling_sampler,
+    _SkippedStream,
+    _with_sampler,
     check_rank,
     check_split_batch_size,
 )
@@ -48,6 +50,7 @@ __all__ = [
     "IterableDatasetShard",
     "SeedableRandomSampler",
     "SkipBatchSampler",
+    "SkipDataLoader",
     "override_even_batches",
     "prepare_data_loader",
     "skip_first_batches",
@@ -60,30 +63,17 @@ def _rng_types_for(rng_types, generator) -> list:
     return [t for t in types if not (t == RNGType.GENERATOR and generator is None)]
 
 
-class DataLoaderShard(DataLoaderStateMixin, DataLoader):
-    """A DataLoader that reads this process's shard, moves batches to `device` and resumes exactly.
+class _LocalLoader(DataLoaderStateMixin, DataLoader):
+    """A loader that reads its own batches in this process (DataLoaderShard, SkipDataLoader).
 
-    At the start of every epoch the RNGs named in `rng_types` are synchronised across processes
-    (with `synchronized_generator` for "generator"), so shuffled shards line up. While iterating it
-    is GradientState's active loader, and it prefetches one batch to know which batch is last.
-    Every loader here has state_dict() / load_state_dict(); `use_stateful_dataloader` only decides
-    whether Accelerator.load_state restores the position inside an epoch (True) or replays the
-    saved epoch from its first batch for the caller to skip (False, accelerate's default).
+    While iterating it is GradientState's active loader, and it prefetches one batch to know which
+    batch is last. Batches go to `device` unless it is None. Its process count, total_batch_size
+    and padded remainder come from a BatchSamplerShard or IterableDatasetShard when it reads one.
     """
 
-    def __init__(
-        self,
-        dataset,
-        device=None,
-        rng_types=None,
-        synchronized_generator: Optional[torch.Generator] = None,
-        **kwargs,
-    ) -> None:
-        # skip_batches, use_stateful_dataloader, ... are DataLoaderStateMixin's keywords.
-        super().__init__(dataset, **kwargs)
-        self.device = device
-        self.synchronized_generator = synchronized_generator
-        self.rng_types = _rng_types_for(rng_types, synchronized_generator)
+    device = None
+    rng_types: tuple = ()
+    synchronized_generator = None
 
     def __len__(self) -> int:
         return max(0, DataLoader.__len__(self) - self.skip_batches)
@@ -119,7 +109,10 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
                     return 0
                 if sampler.batch_size is None:
                     return -1
-                return len(sampler.sampler) % self.total_batch_size
+                samples = len(sampler.sampler)
+                if isinstance(sampler.batch_sampler, SkipBatchSampler):  # sharding what a skip left
+                    samples = max(0, samples - sampler.batch_sampler.skip_batches * sampler.batch_size)
+                return samples % self.total_batch_size
             if isinstance(dataset, IterableDatasetShard):
                 return 0 if dataset.drop_last else len(dataset.dataset) % dataset.global_batch_size
         except TypeError:  # no len() to work it out from
@@ -145,6 +138,56 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
         return sampler.batch_size if sampler is not None else self.batch_size
 
 
+class DataLoaderShard(_LocalLoader):
+    """A DataLoader that reads this process's shard, moves batches to `device` and resumes exactly.
+
+    At the start of every epoch the RNGs named in `rng_types` are synchronised across processes
+    (with `synchronized_generator` for "generator"), so shuffled shards line up. `skip_batches`
+    are skipped by the next iteration only (see DataLoaderStateMixin); `iteration` is the epoch
+    it starts at. Every loader here has state_dict() / load_state_dict(); `use_stateful_dataloader`
+    only decides whether Accelerator.load_state restores the position inside an epoch (True) or
+    replays the saved epoch from its first batch for the caller to skip (False, accelerate's default).
+    """
+
+    def __init__(
+        self,
+        dataset,
+        device=None,
+        rng_types=None,
+        synchronized_generator: Optional[torch.Generator] = None,
+        skip_batches: int = 0,
+        use_stateful_dataloader: bool = False,
+        _drop_last: bool = False,
+        _non_blocking: bool = False,
+        torch_device_mesh=None,
+        iteration: int = 0,
+        **kwargs,
+    ) -> None:
+        state_args = (skip_batches, use_stateful_dataloader, _drop_last, _non_blocking, torch_device_mesh)
+        self._setup_loader(dataset, kwargs, *state_args, iteration)  # in _setup_loader's order
+        self.device = device
+        self.synchronized_generator = synchronized_generator
+        self.rng_types = _rng_types_for(rng_types, synchronized_generator)
+
+
+class SkipDataLoader(_LocalLoader):
+    """A DataLoader without its first `skip_batches` batches, on every iteration (accelerate's class).
+
+    Map-style data is skipped at the sampler, so skipped batches are never loaded. It places and
+    shards nothing; preparing it keeps the skip (prepare_data_loader moves it before the sharding),
+    and it has the other loaders' bookkeeping: end_of_dataloader, state_dict() / load_state_dict().
+    """
+
+    _skips_every_epoch = True
+
+    def __init__(
+        self, dataset, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs
+    ) -> None:
+        self._setup_loader(
+            dataset, kwargs, skip_batches=skip_batches, use_stateful_dataloader=use_stateful_dataloader
+        )
+
+
 def _repeat_rows(rows, count: int):
     """The first `count` rows of `rows`, cycling them when there are fewer."""
     have = find_batch_size(rows)
@@ -168,10 +211,17 @@ class DataLoaderDispatcher(DataLoaderStateMixin, DataLoader):
         self,
         dataset,
         split_batches: bool = False,
+        skip_batches: int = 0,
+        use_stateful_dataloader: bool = False,
+        _drop_last: bool = False,
+        _non_blocking: bool = False,
         slice_fn: Optional[Callable] = None,
+        torch_device_mesh=None,
+        iteration: int = 0,
         **kwargs,
     ) -> None:
-        super().__init__(dataset, **kwargs)  # DataLoaderStateMixin's keywords, then torch's
+        state_args = (skip_batches, use_stateful_dataloader, _drop_last, _non_blocking, torch_device_mesh)
+        self._setup_loader(dataset, kwargs, *state_args, iteration)  # in _setup_loader's order
         self.split_batches = split_batches
         self.slice_fn = slice_tensors if slice_fn is None else slice_fn
         self.rng_types = []  # only rank 0 draws an order: nothing to keep in step
@@ -316,42 +366,6 @@ def _loader_kwargs(dataloader: DataLoader) -> dict:
     return kwargs
 
 
-def _agreed_seed(state, num_processes: int, seed: int) -> int:
-    # Ranks may have different global RNGs (set_seed(device_specific=True)); rank 0's seed wins.
-    if state.use_distributed and num_processes == state.num_processes:
-        return broadcast_object_list([seed])[0]
-    return seed
-
-
-def _shuffling_sampler(sampler, state, num_processes, use_seedable_sampler, data_seed):
-    """(sampler to use, its generator): a copy when it had to change, never the user's object."""
-    if (
-        use_seedable_sampler
-        and isinstance(sampler, RandomSampler)
-        and not isinstance(sampler, SeedableRandomSampler)
-    ):
-        seed = (
-            data_seed if data_seed is not None else _agreed_seed(state, num_processes, torch.initial_seed())
-        )
-        sampler = SeedableRandomSampler(
-            sampler.data_source,
-            replacement=sampler.replacement,
-            num_samples=sampler._num_samples,
-            generator=sampler.generator if sampler.generator is not None else torch.Generator(),
-            data_seed=seed,
-        )
-    if not hasattr(sampler, "generator"):
-        return sampler, None
-    if sampler.generator is None:
-        # Its own generator, seeded from the global RNG (so set_seed decides the order) and equal on
-        # every rank, makes the order part of the loader's state instead of the global RNG's.
-        seed = _agreed_seed(state, num_processes, int(torch.empty((), dtype=torch.int64).random_().item()))
-        sampler = copy.copy(sampler)
-        sampler.generator = torch.Generator()
-        sampler.generator.manual_seed(seed)
-    return sampler, sampler.generator
-
-
 def prepare_data_loader(
     dataloader: DataLoader,
     device=None,
@@ -377,6 +391,8 @@ def prepare_data_loader(
     datasets placed on a device. A shuffling sampler without a generator gets its own (a copy of
     the sampler, seeded from the global RNG, rank 0's seed on every rank): unlike accelerate, the
     shards then agree even without rng_types, and the order is part of the loader's state_dict.
+    A SkipDataLoader's skip is applied before the sharding (its first batches, not each rank's);
+    a prepared loader's pending skip_first_batches is kept for its next iteration.
     """
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"prepare_data_loader takes a torch DataLoader, not {type(dataloader).__name__}.")
@@ -386,6 +402,9 @@ def prepare_data_loader(
     check_rank(num_processes, process_index)
     dataset = dataloader.dataset
     iterable = isinstance(dataset, IterableDataset)
+    always_skip = dataloader.skip_batches if isinstance(dataloader, SkipDataLoader) else 0
+    if always_skip and iterable:
+        dataset = _SkippedStream(dataset, always_skip * (dataloader.batch_size or 1))
     if dispatch_batches is None:
         dispatch_batches = bool(put_on_device and iterable)
     if dispatch_batches and not put_on_device:
@@ -416,15 +435,20 @@ def prepare_data_loader(
             inner, state, num_processes, use_seedable_sampler, data_seed
         )
         if new_inner is not inner and batch_sampler is not None:
-            batch_sampler = copy.copy(batch_sampler)
-            batch_sampler.sampler = new_inner
+            batch_sampler = _with_sampler(batch_sampler, new_inner)
         inner = new_inner
+        if always_skip and batch_sampler is not None:
+            batch_sampler = SkipBatchSampler(batch_sampler, always_skip)
+        elif always_skip:  # no batches: one sample at a time
+            inner = SkipBatchSampler(inner, always_skip)
 
     kwargs = _loader_kwargs(dataloader)
+    pending = isinstance(dataloader, DataLoaderStateMixin) and not dataloader._skips_every_epoch
     common = {
         "use_stateful_dataloader": use_stateful_dataloader,
         "_drop_last": dataloader.drop_last,
         "_non_blocking": non_blocking,
+        "skip_batches": dataloader.skip_batches if pending else 0,
     }
     if dispatch_batches:
         if iterable:
@@ -491,11 +515,13 @@ def prepare_data_loader(
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0):
     """A loader whose next iteration starts after its first `num_batches` batches.
 
-    A DataLoaderShard or DataLoaderDispatcher is returned itself with `skip_batches` set, so its
-    epoch count and state_dict stay right when the same object is iterated again; accelerate
-    returns a new loader, which restarts at epoch 0. Skipping happens at the sampler, without
-    loading the skipped data (iterable datasets must read it). A plain DataLoader gives a new
-    DataLoaderShard over the same dataset and samplers.
+    A DataLoaderShard or DataLoaderDispatcher is returned itself with `skip_batches` set, for its
+    next iteration only, so its epoch count and state_dict stay right when the same object is
+    iterated again; accelerate returns a new loader that skips on every iteration. Any other
+    DataLoader gives, as in accelerate, a new SkipDataLoader over the same dataset and samplers,
+    which skips on every iteration (a SkipDataLoader's own skip is kept: the skips add up).
+    Skipping happens at the sampler, without loading the skipped data (iterable datasets must
+    read it).
     """
     num_batches = _check_count("num_batches", num_batches)
     if isinstance(dataloader, (DataLoaderShard, DataLoaderDispatcher)):
@@ -510,7 +536,9 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0):
         kwargs.update(batch_sampler=dataloader.batch_sampler)
     else:
         kwargs.update(sampler=dataloader.sampler, batch_size=None)
-    return DataLoaderShard(dataloader.dataset, skip_batches=num_batches, **kwargs)
+    if isinstance(dataloader, SkipDataLoader):
+        num_batches += dataloader.skip_batches
+    return SkipDataLoader(dataloader.dataset, skip_batches=num_batches, **kwargs)
 
 
 @contextlib.contextmanager

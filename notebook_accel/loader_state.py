@@ -89,6 +89,17 @@ def _sampler_chain(loader) -> list:
     return chain
 
 
+class _LoaderItself:
+    """`loader.base_dataloader`: accelerate's loaders wrap the DataLoader they read from and keep it
+    there; ours are that DataLoader themselves. Looked up on a class, it raises AttributeError, as
+    accelerate's does (the attribute only exists on a loader)."""
+
+    def __get__(self, loader, owner=None):
+        if loader is None:
+            raise AttributeError(f"base_dataloader is set on {owner.__name__} objects, not on the class.")
+        return loader
+
+
 def _check_count(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}={value!r}: pass a whole number >= 0.")
@@ -102,31 +113,39 @@ class DataLoaderStateMixin:
     `remainder` is the number of real samples in the last global batch when it was padded with
     duplicates (so gather_for_metrics can drop them), 0 when nothing was padded, -1 when unknown.
     `skip_batches` is how many batches the next iteration skips (once; accelerate skips on every
-    iteration of a loader built with skip_batches); `len()` counts without them. A position
-    restored by load_state_dict is kept apart from it (`_resume_skip`), so `len()` after a resume
-    is the whole epoch, as in accelerate, and an explicit skip_first_batches replaces it.
+    iteration of a loader built with skip_batches; SkipDataLoader, `_skips_every_epoch`, does too);
+    `len()` counts without them. A position restored by load_state_dict is kept apart from it
+    (`_resume_skip`), so `len()` after a resume is the whole epoch, as in accelerate, and an
+    explicit skip_first_batches replaces it.
     """
 
-    def __init__(
+    _skips_every_epoch = False
+    base_dataloader = _LoaderItself()
+
+    def _setup_loader(
         self,
         dataset,
+        loader_kwargs: dict,
         skip_batches: int = 0,
         use_stateful_dataloader: bool = False,
         _drop_last: bool = False,
         _non_blocking: bool = False,
         torch_device_mesh=None,
-        **kwargs,
+        iteration: int = 0,
     ) -> None:
-        """The keywords both loaders take (accelerate's names); the rest go to torch's DataLoader."""
+        """Set up a loader: the keywords every loader here takes (accelerate's names), and
+        `loader_kwargs` for torch's DataLoader. The mixin has no __init__ of its own, as accelerate's
+        has none: each loader's __init__ lists these keywords and passes them on."""
         if torch_device_mesh is not None:
             raise NotImplementedError(
                 f"{type(self).__name__}(torch_device_mesh=...): tensor-parallel loading is not supported."
             )
-        DataLoader.__init__(self, dataset, **kwargs)
+        DataLoader.__init__(self, dataset, **loader_kwargs)
         self.use_stateful_dataloader = use_stateful_dataloader
         self._drop_last = _drop_last
         self._non_blocking = _non_blocking
         self._init_state(skip_batches)
+        self.iteration = _check_count("iteration", iteration)
 
     def _init_state(self, skip_batches: int) -> None:
         self.end_of_dataloader = False
@@ -153,23 +172,26 @@ class DataLoaderStateMixin:
 
     # -- epochs -------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Use `epoch` from now on, and pass it to the sampler (or, failing that, the dataset).
+        """Use `epoch` from now on, and pass it to every sampler that takes it (a batch sampler and
+        the sampler inside it, as accelerate does), or, failing that, to the dataset.
 
         Moving a restored loader to another epoch drops the restored position: it belonged to the
         saved epoch, and that epoch's order is not the one this epoch draws."""
         if self._resume_pending and epoch != self.iteration and not self._iterating:
             self._resume_pending, self._epoch_rng, self._resume_skip, self._position = False, None, 0, 0
         self.iteration = epoch
-        for sampler in _sampler_chain(self):
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
-                return
-        if hasattr(self.dataset, "set_epoch"):
+        takers = [sampler for sampler in _sampler_chain(self) if hasattr(sampler, "set_epoch")]
+        for sampler in takers:
+            sampler.set_epoch(epoch)
+        if not takers and hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
-    def begin(self) -> None:
+    def reset(self) -> None:
         self.end_of_dataloader = False
         self.remainder = -1
+
+    def begin(self) -> None:
+        self.reset()
         self._epoch_done = False
         self._iterating = True
         self.gradient_state._add_dataloader(self)
@@ -179,7 +201,8 @@ class DataLoaderStateMixin:
         gradient_state = self.gradient_state
         if self in getattr(gradient_state, "dataloader_references", ()):
             gradient_state._remove_dataloader(self)
-        self.skip_batches = 0
+        if not self._skips_every_epoch:
+            self.skip_batches = 0
         self._resume_skip = 0
         if self._epoch_done or self.end_of_dataloader:
             self.iteration += 1
@@ -262,8 +285,12 @@ class DataLoaderStateMixin:
         return iterator
 
     def _take_skip(self, resume: bool) -> int:
-        """Batches this iteration skips: an explicit skip_first_batches, else a restored position."""
-        skip = self.skip_batches or (self._resume_skip if resume else 0)
+        """Batches this iteration skips: an explicit skip_first_batches, else a restored position.
+
+        A SkipDataLoader takes the further of its own skip and the restored position (which counts
+        the batches it skipped)."""
+        restored = self._resume_skip if resume else 0
+        skip = max(self.skip_batches, restored) if self._skips_every_epoch else self.skip_batches or restored
         self._resume_skip = 0
         return skip
 
@@ -330,7 +357,8 @@ class DataLoaderStateMixin:
         self.iteration = _check_count("epoch", state["epoch"])
         position = _check_count("batches_yielded", state["batches_yielded"])
         rng = dict(state["rng_state"] or {})
-        self.skip_batches = 0
+        if not self._skips_every_epoch:
+            self.skip_batches = 0
         if position > 0 and rng.get("torch") is None:
             raise ValueError("A mid-epoch data loader state needs rng_state['torch']; this one has none.")
         if rng.get("torch") is not None:  # mid-epoch, or an epoch to replay from its start

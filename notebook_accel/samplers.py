@@ -1,4 +1,5 @@
-"""Samplers that split one loader's data across processes (accelerate's names and semantics).
+"""Samplers that split one loader's data across processes (accelerate's names and semantics),
+the skips a prepared SkipDataLoader keeps, and the shuffling sampler a prepared loader draws from.
 
 A loader's place in its epoch (exact resume) lives in loader_state.py.
 `notebook_accel.data_loader` re-exports the public names; import from there.
@@ -6,11 +7,15 @@ A loader's place in its epoch (exact resume) lives in loader_state.py.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 from typing import Iterator, List, Optional
 
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
+
+from .utils.operations import broadcast_object_list
 
 
 class SeedableRandomSampler(RandomSampler):
@@ -64,8 +69,9 @@ def check_split_batch_size(batch_size, num_processes: int) -> None:
         multiple = max(1, math.ceil(batch_size / num_processes)) * num_processes
         raise ValueError(
             f"split_batches=True slices each batch of {batch_size} samples into {num_processes} equal parts, "
-            f"but batch_size={batch_size} is not a multiple of num_processes={num_processes}. Use a batch "
-            f"size that is (e.g. {multiple}), or split_batches=False to give each process whole batches."
+            f"so batch_size must be a round multiple of num_processes; batch_size={batch_size} is not a "
+            f"multiple of num_processes={num_processes}. Use a batch size that is (e.g. {multiple}), or "
+            "split_batches=False to give each process whole batches."
         )
 
 
@@ -283,6 +289,75 @@ class SkipBatchSampler(_WrappedBatchSampler):
 
     def __len__(self) -> int:
         return max(0, len(self.batch_sampler) - self.skip_batches)
+
+
+class _SkippedStream(IterableDataset):
+    """`dataset` without its first `count` items, on every pass: a prepared SkipDataLoader's skip
+    over an iterable dataset, applied before the items are shared among processes."""
+
+    def __init__(self, dataset, count: int) -> None:
+        self.dataset = dataset
+        self.count = count
+
+    def __iter__(self):
+        return itertools.islice(iter(self.dataset), self.count, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.dataset) - self.count)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+
+def _with_sampler(batch_sampler, sampler):
+    """A copy of `batch_sampler` whose indices come from `sampler`; wrappers (a shard, a skip) are
+    copied down to the batch sampler that holds the sampler, so the caller's objects stay as they are."""
+    out = copy.copy(batch_sampler)
+    if isinstance(out, _WrappedBatchSampler):
+        out.batch_sampler = _with_sampler(out.batch_sampler, sampler)
+    else:
+        out.sampler = sampler
+    return out
+
+
+# -- the shuffling sampler a prepared loader uses --------------------------------------------------
+
+
+def _agreed_seed(state, num_processes: int, seed: int) -> int:
+    # Ranks may have different global RNGs (set_seed(device_specific=True)); rank 0's seed wins.
+    if state.use_distributed and num_processes == state.num_processes:
+        return broadcast_object_list([seed])[0]
+    return seed
+
+
+def _shuffling_sampler(sampler, state, num_processes, use_seedable_sampler, data_seed):
+    """(sampler to use, its generator): a copy when it had to change, never the user's object."""
+    if (
+        use_seedable_sampler
+        and isinstance(sampler, RandomSampler)
+        and not isinstance(sampler, SeedableRandomSampler)
+    ):
+        seed = (
+            data_seed if data_seed is not None else _agreed_seed(state, num_processes, torch.initial_seed())
+        )
+        sampler = SeedableRandomSampler(
+            sampler.data_source,
+            replacement=sampler.replacement,
+            num_samples=sampler._num_samples,
+            generator=sampler.generator if sampler.generator is not None else torch.Generator(),
+            data_seed=seed,
+        )
+    if not hasattr(sampler, "generator"):
+        return sampler, None
+    if sampler.generator is None:
+        # Its own generator, seeded from the global RNG (so set_seed decides the order) and equal on
+        # every rank, makes the order part of the loader's state instead of the global RNG's.
+        seed = _agreed_seed(state, num_processes, int(torch.empty((), dtype=torch.int64).random_().item()))
+        sampler = copy.copy(sampler)
+        sampler.generator = torch.Generator()
+        sampler.generator.manual_seed(seed)
+    return sampler, sampler.generator
 
 
 def __getattr__(name: str):

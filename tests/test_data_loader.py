@@ -14,6 +14,8 @@ from notebook_accel.data_loader import (
     DataLoaderShard,
     IterableDatasetShard,
     SeedableRandomSampler,
+    SkipBatchSampler,
+    SkipDataLoader,
     prepare_data_loader,
     skip_first_batches,
 )
@@ -299,18 +301,67 @@ def test_skip_first_batches_skips_once():
     skipped = skip_first_batches(plain, num_batches=3)
     assert isinstance(skipped, DataLoader) and len(skipped) == 2
     assert [b[0].tolist() for b in skipped] == [[6, 7], [8, 9]]
-    assert len(skipped) == 5 and len(list(skipped)) == 5  # only the next iteration skips
+    # A plain loader gives a new SkipDataLoader, which skips on every iteration, as in accelerate.
+    assert isinstance(skipped, SkipDataLoader) and len(skipped) == 2 and len(list(skipped)) == 2
+    assert skip_first_batches(skipped, 1).skip_batches == 4  # the skips add up
 
     shard = prepare_data_loader(DataLoader(_numbers(10), batch_size=2))
     assert skip_first_batches(shard, 4) is shard
     flags = [(b[0].tolist(), shard.end_of_dataloader) for b in shard]
     assert flags == [([8, 9], True)] and shard.iteration == 1
-    assert len(list(shard)) == 5
+    assert len(list(shard)) == 5  # a prepared loader skips on its next iteration only
+    assert skip_first_batches(shard, 3) is shard
+    again = prepare_data_loader(shard)  # preparing it again keeps that pending skip
+    assert [b[0].tolist() for b in again] == [[6, 7], [8, 9]] and len(list(again)) == 5
 
     stream = skip_first_batches(DataLoader(Stream(7), batch_size=2), 2)
     assert [b.tolist() for b in stream] == [[4, 5], [6]]
     with pytest.raises(ValueError, match="num_batches=-1"):
         skip_first_batches(plain, -1)
+
+
+def test_skip_data_loader_skips_every_iteration_and_preparing_it_keeps_the_skip():
+    loader = SkipDataLoader(_numbers(10), batch_size=2, skip_batches=3)
+    assert loader.base_dataloader is loader and not hasattr(SkipDataLoader, "base_dataloader")
+    for _ in range(2):
+        assert len(loader) == 2
+        flags = [(b[0].tolist(), loader.end_of_dataloader) for b in loader]
+        assert flags == [([6, 7], False), ([8, 9], True)]
+    assert loader.iteration == 2
+    # Prepared for 2 ranks, it skips its own first 3 batches, then shares the rest.
+    ranks = [prepare_data_loader(loader, num_processes=2, process_index=r) for r in range(2)]
+    for _ in range(2):
+        assert [[b[0].tolist() for b in shard] for shard in ranks] == [[[6, 7]], [[8, 9]]]
+    assert [shard.remainder for shard in ranks] == [0, 0] and len(ranks[0]) == 1
+    # An iterable dataset's skip is as many items as the skipped batches held.
+    stream = prepare_data_loader(SkipDataLoader(Stream(9), batch_size=2, skip_batches=1), num_processes=2)
+    assert [b.tolist() for b in stream] == [[2, 3], [6, 7]] and len(stream) == 2
+    # A shuffled loader behind a SkipBatchSampler is prepared without touching the user's samplers.
+    data = _numbers(12)
+    inner = BatchSampler(RandomSampler(data), 3, False)
+    users = SkipBatchSampler(inner, 1)
+    prepared = prepare_data_loader(DataLoader(data, batch_sampler=users))
+    assert len(list(prepared)) == 3
+    assert users.batch_sampler is inner and inner.sampler.generator is None
+
+
+def test_set_epoch_reaches_a_batch_sampler_and_the_sampler_inside_it():
+    class EpochBatches(BatchSampler):
+        epoch = 0
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+    data = list(range(16))
+    sampler = SeedableRandomSampler(data)
+    batches = EpochBatches(sampler, 4, False)
+    for cls in (DataLoaderShard, DataLoaderDispatcher):
+        loader = cls(data, batch_sampler=batches)
+        loader.set_epoch(3)
+        assert batches.epoch == sampler.epoch == 3
+        skipped = skip_first_batches(loader, 1)
+        next(iter(skipped))
+        assert skipped.iteration == 3 and sampler.epoch == 3
 
 
 def test_dispatcher_in_one_process():

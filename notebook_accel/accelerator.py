@@ -24,6 +24,7 @@ from .utils.dataclasses import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from .utils.imports import is_bitsandbytes_multi_backend_available, is_xpu_available
 
 _UNSET = object()
 
@@ -54,6 +55,7 @@ class Accelerator(AcceleratorTools):
         dataloader_config: Optional[DataLoaderConfiguration] = None,
         deepspeed_plugin=None,
         fsdp_plugin=None,
+        torch_tp_plugin=None,
         megatron_lm_plugin=None,
         rng_types: Optional[list] = None,
         log_with=None,
@@ -64,8 +66,17 @@ class Accelerator(AcceleratorTools):
         kwargs_handlers: Optional[list] = None,
         dynamo_backend=None,
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
+        deepspeed_plugins=None,
+        parallelism_config=None,
     ) -> None:
-        for name, plugin in (("deepspeed_plugin", deepspeed_plugin), ("megatron_lm_plugin", megatron_lm_plugin)):
+        unsupported = {
+            "deepspeed_plugin": deepspeed_plugin,
+            "deepspeed_plugins": deepspeed_plugins,
+            "megatron_lm_plugin": megatron_lm_plugin,
+            "torch_tp_plugin": torch_tp_plugin,
+            "parallelism_config": parallelism_config,
+        }
+        for name, plugin in unsupported.items():
             if plugin is not None:
                 raise NotImplementedError(
                     f"{name} is not supported by notebook_accel; for sharded training pass "
@@ -216,10 +227,16 @@ class Accelerator(AcceleratorTools):
     def prepare_model(
         self, model: torch.nn.Module, device_placement: Optional[bool] = None, evaluation_mode=False
     ):
+        if _already_prepared(model, self._models):
+            return model
         if device_placement is None:
             device_placement = self.device_placement
         plugin = getattr(self.state, "fsdp_plugin", None)
         wrapped = fsdp.check_model(model, plugin) if plugin is not None and not evaluation_mode else None
+        # The probes are looked up here, where accelerate's tests patch them (accelerate.accelerator.*).
+        model_wrapping.check_quantized_placement(
+            model, self.state, bnb_cpu=is_bitsandbytes_multi_backend_available, xpu=is_xpu_available
+        )
         self._models.append(model)
         from_rank0 = wrapped is not None and plugin.cpu_ram_efficient_loading and fsdp.sharding(self.state)
         if device_placement and not getattr(model, "hf_device_map", None) and not from_rank0:
@@ -237,23 +254,25 @@ class Accelerator(AcceleratorTools):
             model, self.state, self.ddp_handler, self.dynamo_plugin, evaluation_mode=evaluation_mode
         )
         self._models[-1] = model
-        return model
+        return _mark_prepared(model)
 
     def prepare_optimizer(self, optimizer, device_placement: Optional[bool] = None):
         from .optimizer import AcceleratedOptimizer
 
-        if isinstance(optimizer, AcceleratedOptimizer):
+        if _already_prepared(optimizer, self._optimizers) or isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         if device_placement is None:
             device_placement = self.device_placement
         fsdp.repoint_optimizer(optimizer, self._fsdp_params)
         wrapped = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler)
         self._optimizers.append(wrapped)
-        return wrapped
+        return _mark_prepared(wrapped)
 
     def prepare_scheduler(self, scheduler):
         from .scheduler import AcceleratedScheduler
 
+        if _already_prepared(scheduler, self._schedulers):
+            return scheduler
         inner = getattr(scheduler, "optimizer", None)
         optimizers = [opt for opt in self._optimizers if opt.optimizer is inner] or self._optimizers
         wrapped = AcceleratedScheduler(
@@ -263,13 +282,15 @@ class Accelerator(AcceleratorTools):
             split_batches=self.split_batches,
         )
         self._schedulers.append(wrapped)
-        return wrapped
+        return _mark_prepared(wrapped)
 
     def prepare_data_loader(
         self, data_loader, device_placement: Optional[bool] = None, slice_fn_for_dispatch=None
     ):
         from .data_loader import prepare_data_loader
 
+        if _already_prepared(data_loader, self._dataloaders):
+            return data_loader
         if device_placement is None:
             device_placement = self.device_placement
         config = self.dataloader_config
@@ -290,7 +311,7 @@ class Accelerator(AcceleratorTools):
             use_stateful_dataloader=config.use_stateful_dataloader,
         )
         self._dataloaders.append(prepared)
-        return prepared
+        return _mark_prepared(prepared)
 
     # -- the training step ------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
@@ -486,59 +507,6 @@ class Accelerator(AcceleratorTools):
 
     clear = free_memory
 
-    # -- checkpoints ------------------------------------------------------------------------
-    def register_for_checkpointing(self, *objects) -> None:
-        bad = [
-            f"object {i} ({type(o).__name__})"
-            for i, o in enumerate(objects)
-            if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
-        ]
-        if bad:
-            raise ValueError(
-                f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
-                f"these have not: {', '.join(bad)}."
-            )
-        self._custom_objects.extend(objects)
-
-    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs) -> str:
-        """Save models, optimizers, schedulers, scaler, loaders' positions, registered objects and RNG."""
-        from .fsdp_checkpoint import save_state  # checkpointing.save_state unless the run uses FSDP
-
-        return save_state(self, output_dir, safe_serialization=safe_serialization)
-
-    def load_state(self, input_dir: Optional[str] = None, **kwargs) -> None:
-        """Restore everything save_state wrote (no input_dir + automatic naming: the latest). Loaders
-        resume mid-epoch only with use_stateful_dataloader=True, else replay the epoch (see docs/checkpoints.md)."""
-        from .fsdp_checkpoint import load_state  # checkpointing.load_state unless the run uses FSDP
-
-        load_state(self, input_dir, **kwargs)
-
-    def save_model(
-        self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True
-    ) -> None:
-        from .checkpointing import save_model
-
-        state_dict = self.get_state_dict(model)
-        save_model(
-            state_dict,
-            save_directory,
-            max_shard_size=max_shard_size,
-            safe_serialization=safe_serialization,
-            is_main_process=self.is_main_process,
-        )
-        self.wait_for_everyone()
-
-    def save(self, obj, f, safe_serialization: bool = False) -> None:
-        """torch.save (or safetensors for a dict of tensors) on the main process only."""
-        if not self.is_main_process:
-            return
-        if safe_serialization:
-            from safetensors.torch import save_file
-
-            save_file(obj, f)
-        else:
-            torch.save(obj, f)
-
     # -- tracking ---------------------------------------------------------------------------
     def init_trackers(
         self, project_name: str, config: Optional[dict] = None, init_kwargs: Optional[dict] = None
@@ -578,6 +546,21 @@ def _kind(obj) -> str:
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
         return "scheduler"
     return "first"
+
+
+def _already_prepared(obj, registry: list) -> bool:
+    """`obj` came out of a prepare call (it carries accelerate's mark, which transformers reads too):
+    it is kept once in `registry` and handed back as it is, never wrapped a second time."""
+    if not getattr(obj, "_is_accelerate_prepared", False):
+        return False
+    if not any(item is obj for item in registry):
+        registry.append(obj)
+    return True
+
+
+def _mark_prepared(obj):
+    obj._is_accelerate_prepared = True
+    return obj
 
 
 def _sort_handlers(handlers: list) -> dict:

@@ -1,17 +1,21 @@
 """Accelerator methods that ask about the run rather than drive it: `profile()`, `multi_device`,
-`verify_device_map()`, and the save / load state pre-hooks' registry. A mixin of `Accelerator`,
-kept apart so the facade stays thin."""
+`verify_device_map()`, the save / load state pre-hooks' registry, and the checkpoint methods
+(`save_state`, `load_state`, `save_model`, `save`, `register_for_checkpointing`), which hand the
+work to checkpointing.py / fsdp_checkpoint.py. A mixin of `Accelerator`, kept apart so the facade
+stays thin."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
 from .utils.dataclasses import PROFILE_PATTERN_NAME, DistributedType, ProfileKwargs
+from .utils.other import get_pretty_name
 
 
 class AcceleratorTools:
@@ -89,3 +93,96 @@ class AcceleratorTools:
     def _run_state_pre_hooks(self, kind: str, *args) -> None:
         for hook in list(self._state_pre_hooks(kind).values()):
             hook(*args)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def register_for_checkpointing(self, *objects):
+        """Have save_state / load_state also save and restore `objects` (each with state_dict() and
+        load_state_dict()), in this order."""
+        bad = [
+            f"\n\t- Item at index {i}, `{get_pretty_name(obj)}`"
+            for i, obj in enumerate(objects)
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))
+        ]
+        if bad:
+            raise ValueError(
+                "All `objects` must include a `state_dict` and `load_state_dict` function to be stored. "
+                "The following inputs are invalid:" + "".join(bad)
+            )
+        self._custom_objects.extend(objects)
+
+    def save_state(
+        self, output_dir: Optional[str] = None, safe_serialization: bool = True, **save_model_func_kwargs
+    ):
+        """Save models, optimizers, schedulers, scaler, loaders' positions, registered objects and RNG."""
+        from .fsdp_checkpoint import save_state  # checkpointing.save_state unless the run uses FSDP
+
+        return save_state(self, output_dir, safe_serialization=safe_serialization)
+
+    def load_state(
+        self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **load_model_func_kwargs
+    ):
+        """Restore everything save_state wrote (no input_dir + automatic naming: the latest). Loaders
+        resume mid-epoch only with use_stateful_dataloader=True, else replay the epoch (see docs/checkpoints.md).
+
+        `load_model_func_kwargs` takes map_location, strict and trust_pickled_objects; `load_kwargs`
+        (accelerate's torch.load keywords) may say map_location, or weights_only=False, which is
+        trust_pickled_objects=True."""
+        from .fsdp_checkpoint import load_state  # checkpointing.load_state unless the run uses FSDP
+
+        load_state(self, input_dir, **_merge_load_kwargs(load_kwargs, load_model_func_kwargs))
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: Union[str, os.PathLike],
+        max_shard_size: Union[int, str] = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write `model`'s weights (unwrapped) to `save_directory` as checkpointing.save_model does; the
+        weights of modules offloaded to the CPU or disk by a device map are read back to save them too."""
+        from .checkpointing import save_model
+        from .utils.loading import get_state_dict_offloaded_model
+        from .utils.other import has_offloaded_params
+
+        if any(has_offloaded_params(m) for m in model.modules()):
+            state_dict = get_state_dict_offloaded_model(self.unwrap_model(model))
+        elif any(p.device.type == "meta" for p in model.parameters()):
+            raise RuntimeError("You can't save the model since some parameters are on the meta device.")
+        else:
+            state_dict = self.get_state_dict(model)
+        save_model(
+            state_dict,
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            is_main_process=self.is_main_process,
+        )
+        self.wait_for_everyone()
+
+    def save(self, obj, f, safe_serialization=False):
+        """torch.save (or safetensors for a dict of tensors) on the main process only."""
+        if not self.is_main_process:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file(obj, f)
+        else:
+            torch.save(obj, f)
+
+
+def _merge_load_kwargs(load_kwargs: Optional[dict], model_kwargs: dict) -> dict:
+    """load_state's keywords as checkpointing.load_state takes them (see Accelerator.load_state)."""
+    merged = dict(model_kwargs)
+    extra = dict(load_kwargs or {})
+    if "map_location" in extra:
+        merged.setdefault("map_location", extra.pop("map_location"))
+    if extra.pop("weights_only", True) is False:
+        merged["trust_pickled_objects"] = True
+    unknown = sorted(set(extra) | (set(merged) - {"map_location", "strict", "trust_pickled_objects"}))
+    if unknown:
+        raise TypeError(
+            f"load_state() does not take {unknown}: it reads map_location, strict and trust_pickled_objects, "
+            "and load_kwargs={'map_location': ..., 'weights_only': False}."
+        )
+    return merged

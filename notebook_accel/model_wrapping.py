@@ -17,7 +17,7 @@ from .utils.dataclasses import (
     DistributedType,
     TorchDynamoPlugin,
 )
-from .utils.other import extract_model_from_parallel
+from .utils.other import compile_regions, extract_model_from_parallel
 
 # The distributed types whose models train under DistributedDataParallel.
 DDP_TYPES = (
@@ -49,7 +49,8 @@ def wrap_model(
     if not evaluation_mode and uses_ddp(state) and any(p.requires_grad for p in model.parameters()):
         model = _ddp(model, state, ddp_handler)
     if dynamo_plugin is not None and dynamo_plugin.backend not in ("no", None):
-        model = torch.compile(model, **dynamo_plugin.to_compile_kwargs())
+        compile_model = compile_regions if dynamo_plugin.use_regional_compilation else torch.compile
+        model = compile_model(model, **dynamo_plugin.to_compile_kwargs())
     return model
 
 
@@ -187,9 +188,59 @@ def join_uneven_inputs(joinables, state, enable: bool):
 
 
 def unwrap_model(model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-    """The user's module: without DDP (and torch.compile unless keep_torch_compile and it wraps
-    the module directly); keep_fp32_wrapper=False also restores the original forward."""
-    return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
+    """The user's module without DDP / DataParallel; keep_fp32_wrapper=False also restores the
+    original forward. With keep_torch_compile, a torch.compile result stays compiled: one compiled
+    over DDP gives a compiled wrapper (same settings) around the module inside, and the training
+    model is left as it was (accelerate re-points that model's `_orig_mod` instead)."""
+    inner = extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile=False)
+    compiled = getattr(model, "_orig_mod", None)
+    if not keep_torch_compile or not isinstance(compiled, torch.nn.Module):
+        return inner
+    if compiled is inner:
+        return model
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(model, OptimizedModule):
+        return OptimizedModule(inner, model.dynamo_ctx)
+    return inner
+
+
+def check_quantized_placement(model, state, bnb_cpu, xpu) -> None:
+    """Refuse to prepare an 8-bit / 4-bit (bitsandbytes) model its device map placed where it cannot
+    train: over several devices in a distributed run, on a device other than this process's, or
+    offloaded to disk, or to the CPU unless bitsandbytes runs there (`bnb_cpu()`, its multi-backend
+    build) and the run is not on an Intel XPU (`xpu()`). The probes are passed in by the caller."""
+    quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
+    device_map = getattr(model, "hf_device_map", None)
+    if not (quantized and device_map):
+        return
+    devices = set(device_map.values())
+    if len(devices) > 1 and state.distributed_type != DistributedType.NO:
+        raise ValueError(
+            "You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple devices in any "
+            "distributed mode; to use a quantized model spread over several GPUs, run one process (naive "
+            "pipeline parallelism) without a distributed setting in your accelerate config."
+        )
+    # Offloading is checked first: it is the reason a CPU-mapped model cannot train on a GPU either.
+    on_cpu = "cpu" in devices
+    if "disk" in devices or (on_cpu and (not bnb_cpu() or xpu())):
+        raise ValueError(
+            "You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload. "
+            "To train it on the CPU, install bitsandbytes with its multi-backend support "
+            "(https://huggingface.co/docs/bitsandbytes/main/en/installation#multi-backend)."
+        )
+    if len(devices) == 1:
+        where = next(iter(devices))
+        index = torch.device(where).index if isinstance(where, str) else getattr(where, "index", where)
+        device = state.device
+        index = None if index is None else int(index)
+        elsewhere = torch.device(device.type, index) != device and (device.index is not None or index != 0)
+        if elsewhere and not (device.type == "cpu" and bnb_cpu()):
+            raise ValueError(
+                "You can't train a model that has been loaded in 8-bit or 4-bit precision on a different device "
+                f"than the one you're training on ({device}); load it there, e.g. with "
+                "`device_map={'': torch.cuda.current_device()}`."
+            )
 
 
 @contextlib.contextmanager

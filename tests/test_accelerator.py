@@ -225,8 +225,10 @@ def test_bad_input_is_named():
         Accelerator(kwargs_handlers=[{"find_unused_parameters": True}])
     AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator()
-    with pytest.raises(ValueError, match=r"object 0 \(int\)"):
+    with pytest.raises(ValueError, match=r"Item at index 0, `int`"):
         accelerator.register_for_checkpointing(3)
+    with pytest.raises(ValueError, match=r"Item at index 1, `int`"):  # the position among all objects
+        accelerator.register_for_checkpointing(torch.nn.Linear(1, 1), 3)
 
 
 def test_triggers_and_clipping_in_one_process():
@@ -241,3 +243,83 @@ def test_triggers_and_clipping_in_one_process():
     total = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
     assert total <= 1.0 + 1e-5
     assert PartialState().num_processes == 1
+
+
+def test_prepared_objects_carry_the_mark_and_are_never_wrapped_twice():
+    accelerator = Accelerator()
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
+    prepared = accelerator.prepare(model, opt, sched, loader, [1])
+    assert [getattr(o, "_is_accelerate_prepared", False) for o in prepared] == [True] * 4 + [False]
+    again = accelerator.prepare(*prepared[:4])
+    assert all(a is b for a, b in zip(again, prepared))
+    acc = accelerator
+    assert [len(r) for r in (acc._models, acc._optimizers, acc._schedulers, acc._dataloaders)] == [1, 1, 1, 1]
+    accelerator.free_memory()
+    assert accelerator.prepare_model(prepared[0]) is prepared[0] and accelerator._models == [prepared[0]]
+
+
+@pytest.mark.parametrize("device_map", [{"": "cpu"}, {"a": "cpu", "b": "disk"}])
+def test_an_offloaded_8bit_model_is_refused(device_map, monkeypatch):
+    import notebook_accel.accelerator as module
+
+    model = torch.nn.Linear(2, 2)
+    model.is_loaded_in_8bit, model.hf_device_map = True, device_map
+    monkeypatch.setattr(module, "is_bitsandbytes_multi_backend_available", lambda: False)
+    with pytest.raises(ValueError, match="CPU or disk offload"):
+        Accelerator().prepare_model(model)
+    if "disk" not in device_map.values():  # bitsandbytes' CPU backend trains it where it is
+        monkeypatch.setattr(module, "is_bitsandbytes_multi_backend_available", lambda: True)
+        assert Accelerator().prepare_model(model) is model
+
+
+def test_unwrap_keeps_compile_over_data_parallel_without_touching_the_training_model():
+    model = torch.nn.Linear(2, 2)
+    compiled = torch.compile(torch.nn.DataParallel(model), backend="eager")
+    accelerator = Accelerator()
+    kept = accelerator.unwrap_model(compiled, keep_torch_compile=True)
+    assert kept is not compiled and kept._orig_mod is model
+    assert isinstance(compiled._orig_mod, torch.nn.DataParallel)  # still trains through the wrapper
+    assert accelerator.unwrap_model(compiled, keep_torch_compile=False) is model
+    x = torch.ones(3, 2)
+    torch.testing.assert_close(kept(x), model(x))
+
+
+def test_save_model_reads_offloaded_weights_back_and_refuses_meta_ones(tmp_path):
+    from notebook_accel import load_checkpoint_and_dispatch
+    from notebook_accel.utils.modeling import get_state_dict_from_offload
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    accelerator = Accelerator()
+    accelerator.save_model(model, tmp_path / "full")
+    device_map = {"0": "cpu", "1": "disk"}
+    load_checkpoint_and_dispatch(model, tmp_path / "full", device_map, offload_folder=tmp_path / "off")
+    assert model[1].weight.device.type == "meta"
+    got = get_state_dict_from_offload(model[1], "1.weight", {"1.weight": None, "1.bias": None})
+    torch.testing.assert_close(got["1.weight"], expected["1.weight"])
+    torch.testing.assert_close(got["1.bias"], expected["1.bias"])
+    accelerator.save_model(model, tmp_path / "again")
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    load_checkpoint_and_dispatch(fresh, tmp_path / "again")
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, expected[key])
+    with torch.device("meta"):
+        empty = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="meta device"):
+        accelerator.save_model(empty, tmp_path / "meta")
+
+
+def test_fp8_recipe_kwargs_is_deprecated_and_checks_its_choices(monkeypatch):
+    from notebook_accel.utils import FP8RecipeKwargs
+
+    monkeypatch.setenv("ACCELERATE_FP8_OPT_LEVEL", "O1")
+    with pytest.warns(FutureWarning, match="deprecated"):
+        recipe = FP8RecipeKwargs(backend="msamp")
+    assert (recipe.backend, recipe.opt_level, recipe.fp8_format) == ("MSAMP", "O1", None)
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="`backend` must be one of MSAMP or TE"):
+        FP8RecipeKwargs(backend="tpu")
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="`opt_level`"):
+        FP8RecipeKwargs(backend="MSAMP", opt_level="O3")

@@ -349,6 +349,39 @@ def test_dynamo_eager_compiles_trains_unwraps_and_checkpoints(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(original.parameters(), trained))
 
 
+def test_dynamo_plugin_reads_accelerate_variables_and_compiles_regions(monkeypatch):
+    from notebook_accel.utils import TorchDynamoPlugin
+
+    variables = {
+        "BACKEND": "EAGER",
+        "MODE": "reduce-overhead",
+        "USE_FULLGRAPH": "true",
+        "USE_DYNAMIC": "false",
+        "USE_REGIONAL_COMPILATION": "yes",
+    }
+    for name, value in variables.items():
+        monkeypatch.setenv("ACCELERATE_DYNAMO_" + name, value)
+    plugin = TorchDynamoPlugin()
+    assert (plugin.backend, plugin.mode, plugin.fullgraph) == ("eager", "reduce-overhead", True)
+    assert plugin.dynamic is False and plugin.use_regional_compilation is True
+    # to_kwargs: what differs from the class's defaults, whatever the environment says
+    changed = {"backend": "eager", "mode": "reduce-overhead", "fullgraph": True}
+    assert plugin.to_kwargs() == {**changed, "dynamic": False, "use_regional_compilation": True}
+    explicit = TorchDynamoPlugin(backend="eager", mode="default", dynamic=True)  # unset ones still read
+    assert explicit.to_kwargs() == {
+        "backend": "eager",
+        "fullgraph": True,
+        "dynamic": True,
+        "use_regional_compilation": True,
+    }
+
+    blocks = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(2)]))
+    regional = TorchDynamoPlugin(backend="eager", use_regional_compilation=True)
+    compiled = Accelerator(dynamo_plugin=regional).prepare(blocks)
+    assert compiled._orig_mod is blocks
+    assert all(isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in compiled[0])
+
+
 # -- kwargs handlers, clipping and unscaling in one process ---------------------------------------
 
 
@@ -471,7 +504,10 @@ def test_prepare_rejects_a_device_placement_list_of_the_wrong_length():
     assert accelerator.unwrap_model(out_model) is model and out_opt.optimizer is opt
 
 
-@pytest.mark.parametrize("plugin", ["deepspeed_plugin", "megatron_lm_plugin"])  # FSDP: tests/test_fsdp.py
+@pytest.mark.parametrize(  # FSDP: tests/test_fsdp.py
+    "plugin",
+    ["deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin", "parallelism_config"],
+)
 def test_unsupported_plugins_are_named(plugin):
     with pytest.raises(NotImplementedError, match=plugin):
         Accelerator(**{plugin: object()})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import os
@@ -117,8 +118,20 @@ class KwargsHandler:
         return copy.deepcopy(self.__dict__)
 
     def to_kwargs(self) -> dict:
-        default = self.__class__().to_dict()
+        # The defaults as written in the class: a handler that reads ACCELERATE_* variables for its
+        # unset fields would otherwise count what the environment set as a default.
+        with _without_accelerate_variables():
+            default = self.__class__().to_dict()
         return {k: v for k, v in self.to_dict().items() if default.get(k) != v}
+
+
+@contextlib.contextmanager
+def _without_accelerate_variables():
+    saved = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith("ACCELERATE_")]}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 @dataclass
@@ -212,6 +225,81 @@ class InitProcessGroupKwargs(KwargsHandler):
 class AutocastKwargs(KwargsHandler):
     enabled: bool = True
     cache_enabled: Optional[bool] = None
+
+
+_FP8_ENV = "ACCELERATE_FP8_"
+_DYNAMO_ENV = "ACCELERATE_DYNAMO_"
+
+
+def _fp8_choice(record, field_name: str, env: str, choices: tuple, default: str, case=str) -> None:
+    """Set `record.<field_name>` to its value (or $ACCELERATE_FP8_<env>, or `default`), case-normalised
+    and checked against `choices`."""
+    value = getattr(record, field_name)
+    chosen = case(value if value is not None else os.environ.get(_FP8_ENV + env, default))
+    if chosen not in choices:
+        raise ValueError(f"`{field_name}` must be one of {' or '.join(choices)}, got {chosen!r}.")
+    setattr(record, field_name, chosen)
+
+
+@dataclass
+class FP8RecipeKwargs(KwargsHandler):
+    """Deprecated fp8 recipe of accelerate (its TransformerEngine and MS-AMP fields in one record).
+    notebook_accel trains fp8 through torchao and only records these; unset fields come from the
+    ACCELERATE_FP8_* variables."""
+
+    opt_level: Optional[str] = None  # MS-AMP: "O1" | "O2"
+    use_autocast_during_eval: Optional[bool] = None
+    margin: Optional[int] = None
+    interval: Optional[int] = None
+    fp8_format: Optional[str] = None  # "HYBRID" | "E4M3" | "E5M2"
+    amax_history_len: Optional[int] = None
+    amax_compute_algo: Optional[str] = None  # "max" | "most_recent"
+    override_linear_precision: Optional[tuple] = None  # (fprop, dgrad, wgrad) in higher precision
+    use_mxfp8_block_scaling: Optional[bool] = None
+    backend: Optional[str] = None  # "MSAMP" | "TE"
+
+    def __post_init__(self) -> None:
+        import warnings
+
+        from .env_flags import parse_flag_from_env
+        from .imports import is_msamp_available, is_transformer_engine_available
+
+        warnings.warn(
+            "FP8RecipeKwargs is deprecated and will be removed in Accelerate v2.0.0. notebook_accel only "
+            "records it: mixed_precision='fp8' trains through torchao and needs no recipe.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        default = "msamp" if is_msamp_available() else "te"
+        _fp8_choice(self, "backend", "BACKEND", ("MSAMP", "TE"), default, str.upper)
+        if self.backend == "MSAMP":
+            # Only MS-AMP's field applies; the TransformerEngine ones stay unset (accelerate asks for
+            # TransformerEngine here too, which an MS-AMP run does not use).
+            _fp8_choice(self, "opt_level", "OPT_LEVEL", ("O1", "O2"), "O2")
+            return
+        if not is_transformer_engine_available():
+            raise ImportError(
+                "TransformerEngine is not available. Please install it or use a different backend."
+            )
+
+        def flag(name: str) -> bool:
+            return parse_flag_from_env(_FP8_ENV + name)
+
+        if self.use_autocast_during_eval is None:
+            self.use_autocast_during_eval = flag("USE_AUTOCAST_DURING_EVAL")
+        if self.margin is None:
+            self.margin = int(os.environ.get(_FP8_ENV + "MARGIN", 0))
+        if self.interval is None:
+            self.interval = int(os.environ.get(_FP8_ENV + "INTERVAL", 1))
+        _fp8_choice(self, "fp8_format", "FORMAT", ("HYBRID", "E4M3", "E5M2"), "HYBRID", str.upper)
+        algos = ("max", "most_recent")
+        _fp8_choice(self, "amax_compute_algo", "AMAX_COMPUTE_ALGO", algos, "most_recent", str.lower)
+        if self.amax_history_len is None:
+            self.amax_history_len = int(os.environ.get(_FP8_ENV + "AMAX_HISTORY_LEN", 1024))
+        if self.override_linear_precision is None:
+            self.override_linear_precision = tuple(flag("OVERRIDE_" + g) for g in ("FPROP", "DGRAD", "WGRAD"))
+        if self.use_mxfp8_block_scaling is None:
+            self.use_mxfp8_block_scaling = flag("USE_MXFP8_BLOCK_SCALING")
 
 
 # The trace file `Accelerator.profile()` writes per process in ProfileKwargs.output_trace_dir.
@@ -345,25 +433,50 @@ class DynamoBackend(_StrEnum):
 
 @dataclass
 class TorchDynamoPlugin(KwargsHandler):
+    """How `prepare` compiles a model with torch.compile. Fields left as None come from the
+    ACCELERATE_DYNAMO_* variables (accelerate launch sets them: BACKEND, MODE, USE_FULLGRAPH,
+    USE_DYNAMIC, USE_REGIONAL_COMPILATION), else the defaults: no backend (no compiling), mode
+    "default", fullgraph and regional compilation off. `use_regional_compilation` compiles each
+    repeated block once (`compile_regions`) instead of the whole model."""
+
     backend: Optional[str] = None
     mode: Optional[str] = None
-    fullgraph: bool = False
+    fullgraph: Optional[bool] = None
     dynamic: Optional[bool] = None
     options: Any = None
     disable: bool = False
+    use_regional_compilation: Optional[bool] = None
 
     def __post_init__(self):
+        from .env_flags import str_to_bool
+
+        def env(name: str, default=None):
+            return os.environ.get(_DYNAMO_ENV + name, default)
+
+        def flag(name: str) -> bool:
+            return str_to_bool(env(name, "False"), to_bool=True)
+
         if self.backend is None:
-            self.backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
-        self.backend = str(
-            self.backend.value if isinstance(self.backend, enum.Enum) else self.backend
-        ).lower()
+            self.backend = env("BACKEND", "no")
+        # Lower-case, as torch.compile names backends (accelerate's to_dict gives the same).
+        backend = self.backend.value if isinstance(self.backend, enum.Enum) else self.backend
+        self.backend = str(backend).lower()
+        if self.mode is None:
+            self.mode = env("MODE", "default")
+        if self.fullgraph is None:
+            self.fullgraph = flag("USE_FULLGRAPH")
+        if self.use_regional_compilation is None:
+            self.use_regional_compilation = flag("USE_REGIONAL_COMPILATION")
+        if self.dynamic is None and env("USE_DYNAMIC") is not None:  # unset: torch decides
+            self.dynamic = flag("USE_DYNAMIC")
 
     def to_compile_kwargs(self) -> dict:
         out = {"backend": self.backend, "fullgraph": self.fullgraph}
         for name in ("mode", "dynamic", "options"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.disable:
+            out["disable"] = True
         return out
 
 

@@ -76,7 +76,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.scaler = scaler
         self.device_placement = device_placement
-        self._step_was_skipped = False
+        # accelerate's name for the flag: code written for accelerate (its tests too) sets it directly.
+        self._is_overflow = False
         if device_placement:
             # The model may have moved after this optimizer built (or loaded) its state.
             _move_state_to_param_devices(optimizer)
@@ -127,7 +128,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     @property
     def step_was_skipped(self) -> bool:
         """True when the last step was skipped because the fp16 gradients overflowed (inf/nan)."""
-        return self._step_was_skipped
+        return self._is_overflow
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         if not self.gradient_state.sync_gradients:
@@ -147,7 +148,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
                 _xla_reduce_gradients(self.optimizer, state.num_processes)
             gradient_state._is_xla_gradients_synced = False
         if self.scaler is None:
-            self._step_was_skipped = False
+            self._is_overflow = False
             return self.optimizer.step() if closure is None else self.optimizer.step(closure)
         # The base class's get_scale: a SharedGradScaler's own would apply an update still due from
         # another optimizer's step on this backward, before this optimizer unscales.
@@ -165,7 +166,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             if skipped is None:
                 # Fallback where the scaler keeps no per-optimizer record: an overflow lowers the scale.
                 skipped = self.scaler.get_scale() < scale_before
-        self._step_was_skipped = bool(skipped)
+        self._is_overflow = bool(skipped)
         return result
 
     # -- pickling -----------------------------------------------------------------------------
@@ -176,4 +177,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        if "_step_was_skipped" in state:  # pickled by an earlier build, under our old name
+            state["_is_overflow"] = state.pop("_step_was_skipped")
         self.__dict__.update(state)

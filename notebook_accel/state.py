@@ -82,6 +82,7 @@ def _init_process_group(
         most = timeout.total_seconds() if timeout is not None else 60.0
         peers.wait_for_listener(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), min(60.0, most))
     dist.init_process_group(**kwargs)
+    peers.keep(dist.group.WORLD)  # see there: a torch deadlock
     peers.tell("joined")
     if backend == "gloo" and env.world_size > 1:
         # gloo's init can return on one rank while a peer is still connecting to it; a rank that then
@@ -158,8 +159,8 @@ class PartialState(_Borg):
             (self.process_index, self.num_processes, self.local_process_index, self.num_local_processes) = (
                 topology
             )
-        else:
-            self.device = torch.device(placement.device)
+        else:  # ACCELERATE_TORCH_DEVICE (e.g. "cuda:1") overrides the placement's choice, as in accelerate
+            self.device = torch.device(os.environ.get("ACCELERATE_TORCH_DEVICE") or placement.device)
         if env.distributed and placement.distributed_type != DistributedType.XLA:
             import torch.distributed as dist
 
@@ -183,6 +184,15 @@ class PartialState(_Borg):
     def _reset_state() -> None:
         """Forget the resolved environment (the process group, if any, is left as it is)."""
         PartialState._shared_state.clear()
+
+    def __getattr__(self, name: str):
+        # Only reached for names not set on the shared dict nor defined on the class.
+        if not self.__dict__ and not name.startswith("__"):
+            raise AttributeError(
+                f"`PartialState` object has no attribute `{name}` yet. This happens if `PartialState._reset_state()` "
+                "was called after it was created: create a new PartialState() or Accelerator() and use that."
+            )
+        raise AttributeError(f"'PartialState' object has no attribute {name!r}")
 
     @property
     def use_distributed(self) -> bool:
@@ -286,7 +296,10 @@ class PartialState(_Borg):
     def destroy_process_group(self, group=None) -> None:
         import torch.distributed as dist
 
-        if self.use_distributed and dist.is_available() and dist.is_initialized():
+        # A forked rank's default group is the launcher's to close (accelerate's rule too).
+        if (self.fork_launched and group is None) or not (dist.is_available() and dist.is_initialized()):
+            return
+        if self.use_distributed:
             dist.destroy_process_group(group)
 
     def set_device(self) -> None:

@@ -75,7 +75,7 @@ def test_should_reduce_batch_size_recognises_out_of_memory_errors():
     assert not should_reduce_batch_size(ValueError("out of memory"))
 
 
-def test_find_executable_batch_size_halves_on_real_cpu_oom_and_remembers():
+def test_find_executable_batch_size_shrinks_on_real_cpu_oom_and_remembers():
     tried = []
 
     @find_executable_batch_size(starting_batch_size=64)
@@ -86,7 +86,8 @@ def test_find_executable_batch_size_halves_on_real_cpu_oom_and_remembers():
         return torch.empty(batch_size * row_bytes, dtype=torch.uint8).numel() * scale
 
     assert step(2) == 8 * 16 * 2
-    assert tried == [64, 32, 16, 8]
+    # 90% of the last size each time, as accelerate does.
+    assert tried == [64, 57, 51, 45, 40, 36, 32, 28, 25, 22, 19, 17, 15, 13, 11, 9, 8]
     assert step(scale=1) == 8 * 16 and tried[-1] == 8  # the working size is kept
     assert step.__name__ == "step"
 
@@ -100,7 +101,7 @@ def test_find_executable_batch_size_gives_up_at_zero_and_passes_other_errors():
 
     with pytest.raises(RuntimeError, match="No executable batch size found"):
         find_executable_batch_size(always_oom, starting_batch_size=8)()
-    assert tried == [8, 4, 2, 1]
+    assert tried == [8, 7, 6, 5, 4, 3, 2, 1]
 
     @find_executable_batch_size(starting_batch_size=16)
     def broken(batch_size):
@@ -133,5 +134,10 @@ def test_find_executable_batch_size_uses_a_custom_reduction():
         return batch_size
 
     assert step() == 3 and tried == [20, 10, 3]
-    with pytest.raises(ValueError, match="starting_batch_size=0"):
-        find_executable_batch_size(lambda batch_size: None, starting_batch_size=0)
+    # A start of 0 raises at the call, as accelerate's does; a negative one at once.
+    never_called = find_executable_batch_size(lambda batch_size: tried.append(batch_size), starting_batch_size=0)
+    with pytest.raises(RuntimeError, match="No executable batch size found, reached zero"):
+        never_called()
+    assert tried == [20, 10, 3]
+    with pytest.raises(ValueError, match="starting_batch_size=-1"):
+        find_executable_batch_size(lambda batch_size: None, starting_batch_size=-1)

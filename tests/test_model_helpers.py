@@ -1,5 +1,5 @@
-"""extract_model_from_parallel (DataParallel in one process, DistributedDataParallel on 2 gloo ranks)
-and get_mixed_precision_context_manager, at accelerate's paths."""
+"""extract_model_from_parallel (DataParallel in one process, DistributedDataParallel on 2 gloo ranks),
+get_model_tp_size and get_mixed_precision_context_manager, at accelerate's paths."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from notebook_accel.utils import (
     AutocastKwargs,
     extract_model_from_parallel,
     get_mixed_precision_context_manager,
+    get_model_tp_size,
 )
 from notebook_accel.utils.operations import convert_outputs_to_fp32
 
@@ -63,7 +64,26 @@ def test_extract_model_from_parallel_unwraps_data_parallel_and_compile():
     assert extract_model_from_parallel(compiled) is compiled
     assert extract_model_from_parallel(compiled, keep_torch_compile=False) is model
     over_parallel = torch.compile(torch.nn.DataParallel(model))
-    assert extract_model_from_parallel(over_parallel) is model  # the compiled wrapper held the DataParallel
+    # Compiled over the DataParallel: a new compiled wrapper around the module inside (as accelerate
+    # gives), the one passed in left as it was.
+    kept_compiled = extract_model_from_parallel(over_parallel)
+    assert isinstance(kept_compiled, type(compiled)) and kept_compiled._orig_mod is model
+    assert isinstance(over_parallel._orig_mod, torch.nn.DataParallel)
+    assert extract_model_from_parallel(over_parallel, keep_torch_compile=False) is model
+
+
+def test_get_model_tp_size_reads_both_transformers_layouts():
+    from types import SimpleNamespace
+
+    model = Double()
+    assert get_model_tp_size(model) is None
+    model.tp_size = 2  # transformers < 5
+    assert get_model_tp_size(model) == 2
+    model.tp_size = None  # transformers 5: a None stub, the degree in the config
+    model.config = SimpleNamespace(distributed_config=SimpleNamespace(tp_size=4))
+    assert get_model_tp_size(model) == 4
+    model.config = SimpleNamespace(distributed_config={"tp_size": 8})  # a config read back from JSON
+    assert get_model_tp_size(model) == 8
 
 
 def test_extract_model_from_parallel_recursive_replaces_wrapped_submodules():

@@ -197,6 +197,18 @@ def test_scheduler_steps_once_per_call_in_one_process():
         assert scheduler.get_last_lr() == [0.125]
 
 
+def test_scheduler_skips_a_step_marked_as_overflowed():
+    # accelerate's flag, which its tests (and fp16 loops written for it) set on the optimizer.
+    optimizer, scheduler = _sched()
+    optimizer._is_overflow = True
+    assert optimizer.step_was_skipped
+    scheduler.step()
+    assert scheduler.get_last_lr() == [1.0]
+    optimizer._is_overflow = False
+    scheduler.step()
+    assert scheduler.get_last_lr() == [0.5]
+
+
 def test_scheduler_waits_while_accumulating():
     GradientState(GradientAccumulationPlugin(num_steps=3, adjust_scheduler=False))
     optimizer, scheduler = _sched()

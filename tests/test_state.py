@@ -62,6 +62,11 @@ def test_single_process_defaults():
         pass
 
 
+def test_accelerate_torch_device_overrides_the_device(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu:3")  # accelerate's variable
+    assert PartialState().device == torch.device("cpu:3")
+
+
 def test_instances_share_one_state():
     a, b = PartialState(), PartialState()
     assert a is not b and a.__dict__ is b.__dict__
@@ -354,6 +359,43 @@ def _decorated(s):
 
     results = (main(), last(), one(), local_two(), local_main())
     return ran, results[0]
+
+
+def _destroy_then_drop_ddp(rounds):
+    """accelerate's test_sync ends so: destroy_process_group(), then the DDP models go with main()'s
+    frame. Each round joins a new group, on a port rank 0 picked; returns whether the group survived each
+    destroy (FORK_LAUNCHED: the launcher closes a forked rank's group, as in accelerate)."""
+    import gc
+
+    import torch.distributed as dist
+    from mp import free_port
+
+    survived = []
+    for _ in range(rounds):
+        PartialState._reset_state()
+        s = PartialState(timeout=datetime.timedelta(seconds=TIMEOUT))
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        for _ in range(3):
+            model(torch.randn(4, 2)).sum().backward()
+        port = [free_port()]
+        dist.broadcast_object_list(port)  # rank 0's pick: the next round's group
+        os.environ["MASTER_PORT"] = str(port[0])
+        s.destroy_process_group()
+        survived.append(dist.is_initialized())
+        if survived[-1]:
+            dist.destroy_process_group()  # the launcher's part, for the next round
+        del model  # the group's last holder but ours: torch 2.13 could deadlock here (utils/peers.keep)
+        gc.collect()
+    return survived
+
+
+def test_destroy_then_dropping_ddp_models_does_not_hang():
+    assert run_ranks(_destroy_then_drop_ddp, 2, 8, timeout=TIMEOUT) == [[False] * 8] * 2
+
+
+def test_a_forked_ranks_group_is_left_to_the_launcher():
+    results = run_ranks(_destroy_then_drop_ddp, 2, 1, env={"FORK_LAUNCHED": "1"}, timeout=TIMEOUT)
+    assert results == [[True], [True]]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])

@@ -309,14 +309,13 @@ def test_launchers_path_and_test_launch():
 # -- environment files, purging, CPU ranks --------------------------------------------------------
 
 
-def test_convert_dict_to_env_variables_keeps_safe_entries_and_names_the_rest():
+def test_convert_dict_to_env_variables_keeps_safe_entries_and_names_the_rest(caplog):
     from notebook_accel.utils import convert_dict_to_env_variables
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level("WARNING", logger="accelerate.utils.environment"):  # accelerate's logger, as it logs
         lines = convert_dict_to_env_variables({"A": "1", "B": "<x", "C": "", "D": "two words", "E": "ok"})
     assert lines == ["A=1\n", "E=ok\n"]
-    text = " ".join(str(w.message) for w in caught)
+    text = " ".join(r.getMessage() for r in caplog.records if r.name == "accelerate.utils.environment")
     assert "B='<x'" in text and "C=''" in text and "D='two words'" in text
 
 
@@ -383,7 +382,7 @@ def test_cpu_distributed_information_reads_torchrun_or_mpi_variables(monkeypatch
     assert get_cpu_distributed_information().rank == 0
 
 
-def test_check_os_kernel_warns_only_on_an_old_linux(monkeypatch):
+def test_check_os_kernel_warns_only_on_an_old_linux(monkeypatch, caplog):
     import platform
 
     from notebook_accel.utils import check_os_kernel
@@ -393,10 +392,10 @@ def test_check_os_kernel_warns_only_on_an_old_linux(monkeypatch):
 
     for system, release, warns in [("Linux", "4.19.0-generic", True), ("Linux", "6.1.0", False), ("Darwin", "1.0.0", False)]:
         monkeypatch.setattr(platform, "uname", lambda s=system, r=release: uname(s, r))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        caplog.clear()
+        with caplog.at_level("WARNING"):  # logged, as accelerate's is
             check_os_kernel()
-        assert any("4.19.0" in str(w.message) for w in caught) is warns, (system, release)
+        assert any("4.19.0" in r.msg and "5.5.0" in r.msg for r in caplog.records) is warns, (system, release)
 
 
 # -- module queries, sizes ------------------------------------------------------------------------
@@ -431,7 +430,7 @@ def test_calculate_maximum_sizes_gives_total_and_largest_layer():
 # -- main-process saving and progress bars --------------------------------------------------------
 
 
-def test_save_with_safetensors_drops_tied_duplicates(tmp_path):
+def test_save_with_safetensors_drops_tied_duplicates(tmp_path, caplog):
     from safetensors.torch import load_file
 
     from notebook_accel.utils import save
@@ -439,13 +438,12 @@ def test_save_with_safetensors_drops_tied_duplicates(tmp_path):
     PartialState()
     shared = torch.arange(6.0).reshape(2, 3)
     state = {"a.weight": shared, "b.weight": shared, "c.bias": torch.ones(3)}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level("WARNING"):  # logged, as accelerate does
         save(state, tmp_path / "m.safetensors", safe_serialization=True)
     loaded = load_file(tmp_path / "m.safetensors")
     assert sorted(loaded) == ["a.weight", "c.bias"]
     assert torch.equal(loaded["a.weight"], shared)
-    assert any("b.weight" in str(w.message) for w in caught)
+    assert [r.getMessage() for r in caplog.records if "b.weight" in r.getMessage()]
     save({"x": [1, 2]}, tmp_path / "plain.pt")
     assert torch.load(tmp_path / "plain.pt") == {"x": [1, 2]}
     with pytest.raises(TypeError, match="dict of tensors"):

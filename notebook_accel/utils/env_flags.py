@@ -82,15 +82,18 @@ _FORBIDDEN = (";", "\n", "<", ">", " ")
 def convert_dict_to_env_variables(current_env: dict) -> list:
     """`KEY=VALUE\\n` lines for the entries safe to write to an environment file; entries with an empty
     key or value, or with any of ; < > space or a newline, are left out with a warning naming them."""
-    import warnings
+    import logging
 
+    # Logged as accelerate logs it, under accelerate's module name: a logging setup written for
+    # accelerate (and accelerate's tests) watches that logger.
+    logger = logging.getLogger("accelerate.utils.environment")
     lines = []
     for key, value in current_env.items():
         key, value = str(key), str(value)
         if key and value and not any(c in key + value for c in _FORBIDDEN):
             lines.append(f"{key}={value}\n")
         else:
-            warnings.warn(f"skipping {key}={value!r}: empty, or holds one of {_FORBIDDEN}", stacklevel=2)
+            logger.warning(f"skipping {key}={value!r}: empty, or holds one of {_FORBIDDEN}")
     return lines
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import warnings
+import logging
 from collections import OrderedDict, defaultdict
 
 import torch
@@ -32,10 +32,10 @@ def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
     for name in dropped:
         del state_dict[name]
     if dropped:
-        warnings.warn(
-            f"dropped {sorted(dropped)} while saving: they share memory with another entry (tied weights); "
-            "re-tie them after loading",
-            stacklevel=2,
+        # Logged, as accelerate does ("Removed shared tensor", its words, which code may look for).
+        logging.getLogger(__name__).warning(
+            f"Removed shared tensor {sorted(dropped)} while saving: they share memory with another entry "
+            "(tied weights); re-tie them after loading."
         )
     for name, tensor in state_dict.items():
         if isinstance(tensor, torch.Tensor):

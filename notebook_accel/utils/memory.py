@@ -122,10 +122,12 @@ def find_executable_batch_size(
     starting_batch_size: int = 128,
     reduce_batch_size_fn: Optional[Callable[[], int]] = None,
 ):
-    """Decorator: call `function(batch_size, ...)`, halving batch_size after each out-of-memory error.
+    """Decorator: call `function(batch_size, ...)`, shrinking batch_size to 90% after each
+    out-of-memory error (as accelerate does; `reduce_batch_size_fn()` returns the next size instead).
 
     The decorated function takes batch_size as its first parameter and is called without it. The
-    size that worked is kept for later calls. RuntimeError when the size reaches zero.
+    size that worked is kept for later calls. RuntimeError once the size reaches zero (a start of 0
+    raises at the first call, as accelerate's does).
     """
     if function is None:
         return functools.partial(
@@ -133,14 +135,15 @@ def find_executable_batch_size(
             starting_batch_size=starting_batch_size,
             reduce_batch_size_fn=reduce_batch_size_fn,
         )
-    if not isinstance(starting_batch_size, int) or starting_batch_size < 1:
-        raise ValueError(f"starting_batch_size={starting_batch_size!r} must be a positive integer.")
+    if not isinstance(starting_batch_size, int) or starting_batch_size < 0:
+        raise ValueError(f"starting_batch_size={starting_batch_size!r} must be a non-negative integer.")
     batch_size = starting_batch_size
 
-    def halve() -> int:
-        return batch_size // 2
+    def ninety_percent() -> int:
+        # 10% smaller each time: halving overshoots the largest size that fits by up to half.
+        return int(batch_size * 0.9)
 
-    shrink = reduce_batch_size_fn or halve
+    shrink = reduce_batch_size_fn or ninety_percent
 
     @functools.wraps(function)
     def decorator(*args, **kwargs):
@@ -157,8 +160,8 @@ def find_executable_batch_size(
         while True:
             if batch_size <= 0:
                 raise RuntimeError(
-                    f"No executable batch size found: {function.__name__} ran out of memory at every size "
-                    f"from {starting_batch_size} down to 1."
+                    f"No executable batch size found, reached zero. {function.__name__} ran out of memory at "
+                    f"every size tried from starting_batch_size={starting_batch_size} down."
                 )
             try:
                 return function(batch_size, *args, **kwargs)

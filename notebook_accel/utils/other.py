@@ -135,21 +135,34 @@ def has_offloaded_params(module: torch.nn.Module) -> bool:
     return any(getattr(h, "offload", False) is True for h in hooks)
 
 
+def get_model_tp_size(model: torch.nn.Module) -> Optional[int]:
+    """The tensor-parallel degree a transformers model was sharded with, or None when it was not.
+    transformers < 5 sets `model.tp_size`; transformers 5 leaves that as None and keeps the degree in
+    `model.config.distributed_config` (a dict once the config went through JSON)."""
+    if getattr(model, "tp_size", None) is not None:
+        return model.tp_size
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    if isinstance(config, dict):
+        return config.get("tp_size")
+    return getattr(config, "tp_size", None)
+
+
 def check_os_kernel() -> None:
-    """Warn on Linux older than 5.5, where distributed processes can hang (accelerate's check)."""
+    """Log a warning on Linux older than 5.5, where distributed processes can hang (accelerate's
+    check, through `logging` as accelerate's is)."""
+    import logging
     import platform
     import re
-    import warnings
 
     info = platform.uname()
     if info.system != "Linux":
         return
     found = re.search(r"(\d+)\.(\d+)\.(\d+)", info.release)
     if found and tuple(int(p) for p in found.groups()) < (5, 5, 0):
-        warnings.warn(
-            f"Linux kernel {found.group(0)} is older than 5.5.0; multi-process runs can hang on it. "
-            "Upgrade the kernel if you see processes stall.",
-            stacklevel=2,
+        # Formatted here: handlers and tests that read record.msg see the versions.
+        logging.getLogger(__name__).warning(
+            f"Linux kernel {found.group(0)} is older than the recommended minimum 5.5.0; multi-process "
+            "runs can hang on it. Upgrade the kernel if you see processes stall."
         )
 
 
@@ -223,8 +236,9 @@ def extract_model_from_parallel(
 ):
     """The user's module inside DistributedDataParallel / DataParallel (and torch.compile).
 
-    A torch.compile result is kept (`keep_torch_compile`) when it wraps the user's module directly;
-    one compiled over DDP gives the module inside. `keep_fp32_wrapper=False` also restores the forward
+    A torch.compile result is kept (`keep_torch_compile`): as it is when it wraps the user's module
+    directly, as a new compiled wrapper around the module inside when it was compiled over DDP /
+    DataParallel (the one given is left unchanged). `keep_fp32_wrapper=False` also restores the forward
     mixed precision patched. `recursive=True` also replaces every DDP / DataParallel among the
     submodules by the module inside it (changing the model in place).
     """
@@ -238,8 +252,20 @@ def extract_model_from_parallel(
         _unwrap_children(inner)
     if not keep_fp32_wrapper:
         restore_original_forward(inner)
-    if keep_torch_compile and compiled is not None and inner is compiled:
-        return model
+    if keep_torch_compile and isinstance(compiled, torch.nn.Module):
+        if inner is compiled:
+            return model
+        return _compiled_around(model, inner)
+    return inner
+
+
+def _compiled_around(compiled, inner: torch.nn.Module) -> torch.nn.Module:
+    """`inner` compiled as `compiled` (a torch.compile result over DDP) is: a new wrapper with the
+    same settings, so the training model keeps its own (accelerate re-points its `_orig_mod`)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(compiled, OptimizedModule):
+        return OptimizedModule(inner, compiled.dynamo_ctx)
     return inner
 
 

@@ -141,3 +141,16 @@ def wait_for_listener(addr: str, port: int, seconds: float = 60.0) -> bool:
         time.sleep(pause)
         if time.monotonic() > quick_until:
             pause = min(pause * 1.5, 0.02)
+
+
+_kept_group = None
+
+
+def keep(group) -> None:
+    """Hold `group` (a new default group) until the next one replaces it, long idle by then, or the
+    process ends. torch 2.13 deadlocks when a gloo group's last reference goes while one of its
+    worker threads frees a collective issued in a backward pass: that needs the GIL, which the thread
+    freeing the group holds while it joins the worker. Scripts end that way: destroy_process_group(),
+    then the DDP models, the group's other holders, are dropped (accelerate's test_sync main())."""
+    global _kept_group
+    _kept_group = group

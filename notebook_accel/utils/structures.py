@@ -66,9 +66,10 @@ def recursively_apply(func, data, *args, test_type=is_torch_tensor, error_on_oth
         return func(data, *args, **kwargs)
     if error_on_other_type:
         name = getattr(func, "__name__", repr(func))
+        # accelerate's wording, word for word: code (its tests too) compares the message.
         raise TypeError(
-            f"Unsupported type {type(data).__name__} passed to {name}: only tensors nested in "
-            f"lists, tuples and dicts (leaves passing {getattr(test_type, '__name__', test_type)}) are accepted."
+            f"Unsupported types ({type(data)}) passed to `{name}`. Only nested list/tuple/dicts of objects "
+            f"that are valid for `{getattr(test_type, '__name__', test_type)}` should be passed."
         )
     return data
 
@@ -190,7 +191,8 @@ def slice_tensors(data, tensor_slice, process_index=None, num_processes=None):
 
 
 def concatenate(data, dim: int = 0):
-    """Concatenate a list of same-structured nested tensors along `dim`, keeping the structure."""
+    """Concatenate a list of same-structured nested tensors along `dim`, keeping the structure; a
+    list of one batch gives that batch back as it is, tensors or not."""
     if len(data) == 0:
         raise ValueError("concatenate() needs at least one element to concatenate.")
     first = data[0]
@@ -199,6 +201,8 @@ def concatenate(data, dim: int = 0):
     if isinstance(first, Mapping):
         return _rebuild_mapping(first, {k: concatenate([d[k] for d in data], dim=dim) for k in first.keys()})
     if not is_torch_tensor(first):
+        if len(data) == 1:  # one batch: nothing to join, whatever it holds (as accelerate does)
+            return first
         raise TypeError(
             f"concatenate() works on tensors (nested in lists, tuples, dicts), not {type(first).__name__}."
         )

@@ -68,6 +68,17 @@ _EXPORTS = {
     "convert_file_size_to_int": "memory",
     "release_memory": "memory",
     "find_executable_batch_size": "memory",
+    # accelerate's checkpoint file names and version gates, as its utils exports them
+    **{
+        name: "constants"
+        for name in (
+            "MITA_PROFILING_AVAILABLE_PYTORCH_VERSION", "MODEL_NAME", "OPTIMIZER_NAME", "PROFILE_PATTERN_NAME",
+            "RNG_STATE_NAME", "SAFE_MODEL_NAME", "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME",
+            "SAFE_WEIGHTS_PATTERN_NAME", "SAMPLER_NAME", "SCALER_NAME", "SCHEDULER_NAME",
+            "TORCH_DISTRIBUTED_OPERATION_TYPES", "TORCH_LAUNCH_PARAMS", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME",
+            "WEIGHTS_PATTERN_NAME", "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION",
+        )
+    },
 }
 
 __all__ = sorted(
@@ -145,7 +156,10 @@ _SURFACE = {
             "save_offload_index",
         )
     },
-    **{name: "dataclasses" for name in ("ProfileKwargs", "LoggerType", "PROFILE_PATTERN_NAME")},
+    **{
+        name: "dataclasses"
+        for name in ("ProfileKwargs", "LoggerType", "PROFILE_PATTERN_NAME", "FP8RecipeKwargs")
+    },
     **{name: "versions" for name in ("compare_versions", "is_torch_version")},
     **{
         name: "other"
@@ -163,6 +177,7 @@ _SURFACE = {
             "get_current_device_type",
             "has_compiled_regions",
             "has_offloaded_params",
+            "get_model_tp_size",
             "check_os_kernel",
             "check_tied_parameters_in_config",
             "get_grad_scaler",

@@ -95,7 +95,6 @@ GROUPS = {
             "utils.dataclasses.TorchTensorParallelConfig",
             "utils.TorchTensorParallelPlugin",
             "utils.dataclasses.TorchTensorParallelPlugin",
-            "utils.get_model_tp_size",
             "accelerator.Accelerator.parallelism_config",
             "accelerator.Accelerator.torch_device_mesh",
             "accelerator.Accelerator.should_save_model",
@@ -119,10 +118,8 @@ GROUPS = {
         ],
     ),
     "fp8": (
-        "FP8 training backends (TransformerEngine, MS-AMP, torchao) and layerwise fp8 storage",
+        "FP8 training backends (TransformerEngine, MS-AMP, torchao)",
         [
-            "utils.FP8RecipeKwargs",
-            "utils.dataclasses.FP8RecipeKwargs",
             "utils.TERecipeKwargs",
             "utils.dataclasses.TERecipeKwargs",
             "utils.MSAMPRecipeKwargs",
@@ -138,10 +135,7 @@ GROUPS = {
             "utils.filter_first_and_last_linear_layers",
             "utils.has_ao_layers",
             "utils.torchao_required",
-            "utils.check_cuda_fp8_capability",
             "accelerator.Accelerator.fp8_backend",
-            "big_modeling.attach_layerwise_casting_hooks",
-            "hooks.LayerwiseCastingHook",
         ],
     ),
     "bnb": (
@@ -171,8 +165,6 @@ GROUPS = {
             "utils.prepare_multi_gpu_env",
             "utils.prepare_simple_launcher_cmd_env",
             "utils.prepare_sagemager_args_inputs",
-            "utils.TORCH_LAUNCH_PARAMS",
-            "utils.TORCH_DISTRIBUTED_OPERATION_TYPES",
             "utils.set_numa_affinity",
             "utils.check_cuda_p2p_ib_support",
             "utils.write_basic_config",
@@ -198,34 +190,12 @@ GROUPS = {
         "torchdata's StatefulDataLoader (notebook_accel's loaders resume exactly through their own state_dict)",
         [
             "data_loader.DataLoaderAdapter",
-            "data_loader.SkipDataLoader",
             "accelerator.Accelerator.use_stateful_dataloader",
-        ],
-    ),
-    "file_names": (
-        "accelerate's checkpoint file-name constants (notebook_accel's checkpoints name their files themselves)",
-        [
-            "utils.MODEL_NAME",
-            "utils.OPTIMIZER_NAME",
-            "utils.RNG_STATE_NAME",
-            "utils.SAFE_MODEL_NAME",
-            "utils.SAFE_WEIGHTS_INDEX_NAME",
-            "utils.SAFE_WEIGHTS_NAME",
-            "utils.SAFE_WEIGHTS_PATTERN_NAME",
-            "utils.SAMPLER_NAME",
-            "utils.SCALER_NAME",
-            "utils.SCHEDULER_NAME",
-            "utils.WEIGHTS_INDEX_NAME",
-            "utils.modeling.WEIGHTS_INDEX_NAME",
-            "utils.WEIGHTS_NAME",
-            "utils.WEIGHTS_PATTERN_NAME",
         ],
     ),
     "internal": (
         "accelerate's own internals (version gates, enum bases, thread-local storage, import checks)",
         [
-            "utils.MITA_PROFILING_AVAILABLE_PYTORCH_VERSION",
-            "utils.XPU_PROFILING_AVAILABLE_PYTORCH_VERSION",
             "utils.dataclasses.BaseEnum",
             "utils.dataclasses.EnumWithContains",
             "state.ThreadLocalSharedDict",
@@ -238,8 +208,6 @@ GROUPS = {
         [
             "utils.modeling.fallback_allocate",
             "utils.modeling.get_module_leaves",
-            "utils.modeling.get_module_size_with_ties",
-            "utils.modeling.get_state_dict_from_offload",
         ],
     ),
     "integrations": (

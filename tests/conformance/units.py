@@ -78,7 +78,7 @@ def environment(against_accelerate: bool, scratch: str) -> dict:
 
 def _test_id(root: Path, case) -> str:
     """pytest's id (`tests/test_x.py::Class::name`) from a junit testcase."""
-    parts = case.get("classname").split(".")
+    parts = [p for p in (case.get("classname") or "").split(".") if p]
     for cut in range(len(parts), 0, -1):
         module = Path(*parts[:cut]).with_suffix(".py")
         if (root / module).exists():

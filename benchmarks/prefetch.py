@@ -1,4 +1,4 @@
-"""Reading offloaded weights ahead (utils/prefetch.py): a disk-offloaded forward with the read-ahead
+"""Reading offloaded weights ahead (big_model/read_ahead.py): a disk-offloaded forward with the read-ahead
 off and on, with torch on every core and with one core left free, against its floor, in one run.
 
 The model is benchmarks/offload.py's (16 residual blocks of two 2048x2048 fp32 Linear, 537 MB),
@@ -26,8 +26,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from notebook_accel import disk_offload, hooks, init_empty_weights  # noqa: E402
-from notebook_accel.utils import prefetch  # noqa: E402
+from notebook_accel import disk_offload, init_empty_weights  # noqa: E402
+from notebook_accel.big_model import hooks, read_ahead  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from offload import BATCH, WIDTH, _model_classes  # noqa: E402
@@ -88,7 +88,7 @@ def _reset_hwm() -> bool:
 
 def _offloaded(MLP, folder: str, mode: str):
     hooks.PREFETCH = mode.split("-")[0]  # read when each hook first runs: set before the first forward
-    prefetch.MAKE_ROOM = not mode.endswith("-keep")
+    read_ahead.MAKE_ROOM = not mode.endswith("-keep")
     with init_empty_weights():
         model = MLP().eval()
     return disk_offload(model, folder, execution_device="cpu")

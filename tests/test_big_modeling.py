@@ -449,3 +449,30 @@ def test_sequence_parallelism_refuses_layers_with_a_recurrent_state():
     plain = SimpleNamespace(config=SimpleNamespace(layer_types=["sliding_attention", "full_attention"]))
     _refuse_recurrent_layers_under_sequence_parallelism(plain)
     _refuse_recurrent_layers_under_sequence_parallelism(nn.Linear(2, 2))  # no config at all
+
+
+def test_a_device_map_is_checked_once_where_it_is_received(tmp_path, monkeypatch):
+    # load_checkpoint_and_dispatch checks the map it received, then hands the frozen plan on:
+    # loading and dispatching do not check it again.
+    import dataclasses
+
+    from notebook_accel.big_model import device_map as plans
+
+    checked = []
+    check = plans.check_device_map
+    monkeypatch.setattr(plans, "check_device_map", lambda model, dm: checked.append(dict(dm)) or check(model, dm))
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    x = torch.randn(4, 2)
+    expected = model(x)
+    device_map = {"0": "cpu", "1": "disk"}
+    load_checkpoint_and_dispatch(model, tmp_path / "model.safetensors", device_map, offload_folder=tmp_path / "off")
+    assert checked == [device_map]
+    torch.testing.assert_close(model(x), expected)
+    plan = plans.plan_device_map(model, device_map, tmp_path / "off")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.offload_folder = None
+    with pytest.raises(TypeError):
+        plan.devices["0"] = "disk"
+    with pytest.raises(ValueError, match=r"sends \['1'\] to 'disk'.*pass offload_folder"):
+        plans.plan_device_map(model, device_map)

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 from notebook_accel import big_modeling, hooks
+from notebook_accel.big_model.layerwise_casting import LayerwiseCastingHook, attach_layerwise_casting_hooks
 from notebook_accel.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from notebook_accel.layerwise_casting import LayerwiseCastingHook, attach_layerwise_casting_hooks
 
 
 class Net(nn.Module):

@@ -1,4 +1,4 @@
-"""Reading offloaded weights ahead (utils/prefetch.py): the next hooks' weights are looked up while
+"""Reading offloaded weights ahead (big_model/read_ahead.py): the next hooks' weights are looked up while
 the one before runs, read from the disk on the background thread, outputs stay exact, memory stays
 bounded, and errors, forks and copies behave."""
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from notebook_accel import disk_offload
-from notebook_accel.utils import prefetch
+from notebook_accel.big_model import pages, read_ahead
 from notebook_accel.utils.offload import OffloadedWeightsLoader
 
 WIDTH, DEPTH = 64, 6
@@ -45,7 +45,7 @@ class Net(nn.Module):
 
 @pytest.fixture
 def offloaded(tmp_path, monkeypatch):
-    from notebook_accel import hooks
+    from notebook_accel.big_model import hooks
 
     monkeypatch.setattr(hooks, "PREFETCH", "1")  # as by default, whatever the environment says
     torch.manual_seed(0)
@@ -64,7 +64,7 @@ class Running:
     def __init__(self, model, monkeypatch):
         self.now = None
         self.lookups = []  # (key, the Linear running)
-        self.touched = []  # (key, thread name) of every prefetch.touch
+        self.touched = []  # (key, thread name) of every pages.touch
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
                 module.register_forward_pre_hook(lambda m, a, name=name: setattr(self, "now", name))
@@ -75,13 +75,13 @@ class Running:
             return get(loader, key)
 
         monkeypatch.setattr(OffloadedWeightsLoader, "mapped", mapped)  # the hooks' lookup
-        touch = prefetch.touch
+        touch = pages.touch
 
         def watched_touch(tensor):
             self.touched.append((tensor.data_ptr(), threading.current_thread().name))
             return touch(tensor)
 
-        monkeypatch.setattr(prefetch, "touch", watched_touch)
+        monkeypatch.setattr(pages, "touch", watched_touch)
 
     def ahead(self) -> list:
         """Keys looked up while another Linear was running: read ahead of their own forward."""
@@ -197,7 +197,7 @@ def test_memory_is_bounded_to_the_running_hook_those_read_ahead_and_a_round_of_d
     page = os.sysconf("SC_PAGE_SIZE")
     linear = -(-WIDTH * WIDTH * 4 // page) * page + page  # a weight's pages and a bias's page
     # Released pages wait for a round of DROP_BATCH bytes (0: each hook's at once).
-    monkeypatch.setattr(prefetch, "DROP_BATCH", batch * linear)
+    monkeypatch.setattr(pages, "DROP_BATCH", batch * linear)
     seen = []
     for block in model.blocks:
         for layer in (block.up, block.down):
@@ -206,12 +206,12 @@ def test_memory_is_bounded_to_the_running_hook_those_read_ahead_and_a_round_of_d
         for _ in range(2):
             assert torch.equal(model(x), reference)
         # After a forward: only those read ahead, and nothing of the round (dropped at its end).
-        assert _rss_of_folder(folder) <= prefetch.AHEAD * linear
+        assert _rss_of_folder(folder) <= read_ahead.AHEAD * linear
         assert torch.equal(model(x), reference)  # the read-ahead has stepped aside (all cached)
     # The running Linear, the AHEAD after it and a round; were nothing released, all 12 would stay.
-    assert 0 < max(seen) <= (1 + prefetch.AHEAD + batch) * linear, seen
+    assert 0 < max(seen) <= (1 + read_ahead.AHEAD + batch) * linear, seen
     if batch:  # pages of finished hooks were held for the round
-        assert max(seen) > (1 + prefetch.AHEAD) * linear, seen
+        assert max(seen) > (1 + read_ahead.AHEAD) * linear, seen
     assert _rss_of_folder(folder) == 0  # nothing was mapped ahead, and the round was dropped
 
 
@@ -290,7 +290,7 @@ def test_offloading_again_to_the_same_folder_leaves_a_model_mapping_it_intact(of
 def test_a_tensor_a_caller_looks_up_is_its_own(offloaded):
     # The hooks share one map per file; loader[key] still gives a map of its own, so a caller's
     # write reaches neither the model nor the next caller, and no release undoes it.
-    from notebook_accel.utils.loading import get_state_dict_offloaded_model
+    from notebook_accel.big_model.loading import get_state_dict_offloaded_model
 
     model, x, reference, _ = offloaded
     with torch.no_grad():
@@ -319,7 +319,7 @@ def test_the_maps_pages_are_released_when_the_module_used_copies(tmp_path):
         disk_offload(model, str(folder), execution_device="cpu")
         for _ in range(2):
             assert torch.equal(model(x), reference)
-            assert _rss_of_folder(folder) <= prefetch.AHEAD * 2 * (WIDTH * WIDTH * 2 + 4096), _rss_of_folder(folder)
+            assert _rss_of_folder(folder) <= read_ahead.AHEAD * 2 * (WIDTH * WIDTH * 2 + 4096), _rss_of_folder(folder)
 
 
 @pytest.mark.timeout(60)
@@ -334,7 +334,7 @@ def test_lookups_keep_no_file_descriptor_open(offloaded):
 
 @pytest.mark.timeout(60)
 def test_no_room_on_the_device_ahead_leaves_the_copy_to_the_hook(offloaded, monkeypatch):
-    from notebook_accel.utils import staging
+    from notebook_accel.big_model import staging
 
     model, x, reference, _ = offloaded
 
@@ -381,7 +381,7 @@ def test_a_copied_or_pickled_model_gets_its_own_prefetcher(offloaded):
 
 @pytest.mark.timeout(60)
 def test_prefetch_can_be_turned_off(offloaded, monkeypatch):
-    from notebook_accel import hooks
+    from notebook_accel.big_model import hooks
 
     model, x, reference, folder = offloaded
     monkeypatch.setattr(hooks, "PREFETCH", "0")
@@ -395,19 +395,19 @@ def test_prefetch_can_be_turned_off(offloaded, monkeypatch):
 
 def test_touch_leaves_the_values_and_skips_what_it_cannot_read():
     t = torch.arange(10_000, dtype=torch.float32)
-    assert prefetch.touch(t) is t and torch.equal(t, torch.arange(10_000, dtype=torch.float32))
+    assert pages.touch(t) is t and torch.equal(t, torch.arange(10_000, dtype=torch.float32))
     strided = t[::2]
-    assert prefetch.touch(strided) is strided
+    assert pages.touch(strided) is strided
     empty = torch.empty(0)
-    assert prefetch.touch(empty) is empty
+    assert pages.touch(empty) is empty
     meta = torch.empty(4, device="meta")
-    assert prefetch.touch(meta) is meta
+    assert pages.touch(meta) is meta
 
 
 def test_it_is_on_unless_turned_off_or_planning_on_meta():
-    assert prefetch.wanted("1", "cpu") and prefetch.wanted("1", "cuda:0") and prefetch.wanted("1", 0)
-    assert prefetch.wanted("1", None)
-    assert not prefetch.wanted("1", "meta") and not prefetch.wanted("0", "cpu")
+    assert read_ahead.wanted("1", "cpu") and read_ahead.wanted("1", "cuda:0") and read_ahead.wanted("1", 0)
+    assert read_ahead.wanted("1", None)
+    assert not read_ahead.wanted("1", "meta") and not read_ahead.wanted("0", "cpu")
 
 
 def _resident(address: int, size: int) -> bool:
@@ -436,7 +436,7 @@ def test_touch_reads_a_cold_mapping_in(tmp_path):
     finally:
         os.close(fd)
     assert not _resident(address, size)
-    assert prefetch.touch(mapped) is mapped
+    assert pages.touch(mapped) is mapped
     assert _resident(address, size)  # read in
     assert torch.equal(mapped, torch.arange(1 << 20, dtype=torch.float32))
 
@@ -462,7 +462,8 @@ def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path,
     # benchmarks/offload.py's model).
     from safetensors.torch import save_file
 
-    from notebook_accel import hooks, init_empty_weights, load_checkpoint_and_dispatch
+    from notebook_accel import init_empty_weights, load_checkpoint_and_dispatch
+    from notebook_accel.big_model import hooks
 
     monkeypatch.setattr(hooks, "PREFETCH", setting)
     reads = []  # the hooks' lookups that asked safetensors for a tensor
@@ -525,7 +526,7 @@ def test_a_dispatched_models_disk_blocks_leave_rss_after_their_forward(tmp_path,
 def _stage_on_cpu(monkeypatch) -> list:
     """Give the CPU a stager, as CUDA has (PlainStager: CudaStager's logic with a plain copy);
     returns the list each staging appends (its thread's name, how many tensors) to."""
-    from notebook_accel.utils import staging
+    from notebook_accel.big_model import staging
 
     calls: list = []
 
@@ -580,7 +581,7 @@ def _maps_of(folder) -> list:
 
 
 def test_only_a_cuda_device_is_staged():
-    from notebook_accel.utils import staging
+    from notebook_accel.big_model import staging
 
     assert not staging.stages(None) and not staging.stages("cpu") and not staging.stages("meta")
     assert staging.stages("cuda:0") == staging.stages(0) == torch.cuda.is_available()
@@ -611,17 +612,17 @@ def written_map(tmp_path):
 def test_ranges_released_in_a_forward_are_dropped_together_adjoining_ones_in_one_call(written_map, monkeypatch):
     mapped, page, dropped = written_map
     calls = []
-    drop = prefetch.drop_pages
-    monkeypatch.setattr(prefetch, "drop_pages", lambda start, end: calls.append((start, end)) or drop(start, end))
-    monkeypatch.setattr(prefetch, "DROP_BATCH", 1 << 30)
+    drop = pages.drop_pages
+    monkeypatch.setattr(pages, "drop_pages", lambda start, end: calls.append((start, end)) or drop(start, end))
+    monkeypatch.setattr(pages, "DROP_BATCH", 1 << 30)
     base = mapped.data_ptr()
-    prefetch.forward_entered()
+    read_ahead.forward_entered()
     try:
         for first, last in ((2, 3), (0, 2), (4, 5)):  # pages [2, 3) and [0, 2) adjoin; 3 is a gap
-            prefetch.drop_later(base + first * page, base + last * page, mapped)
+            pages.drop_later(base + first * page, base + last * page, mapped)
         assert calls == [] and dropped() == [False] * 6  # held while the forward runs
     finally:
-        prefetch.forward_left()
+        read_ahead.forward_left()
     assert calls == [(base, base + 3 * page), (base + 4 * page, base + 5 * page)]
     assert dropped() == [True, True, True, False, True, False]  # never the gap, nor past the end
 
@@ -629,18 +630,18 @@ def test_ranges_released_in_a_forward_are_dropped_together_adjoining_ones_in_one
 @pytest.mark.timeout(60)
 def test_a_round_is_dropped_once_drop_batch_bytes_wait_and_at_once_outside_a_forward(written_map, monkeypatch):
     mapped, page, dropped = written_map
-    monkeypatch.setattr(prefetch, "DROP_BATCH", 2 * page)
+    monkeypatch.setattr(pages, "DROP_BATCH", 2 * page)
     base = mapped.data_ptr()
-    prefetch.drop_later(base, base + page, mapped)  # no hooked forward running
+    pages.drop_later(base, base + page, mapped)  # no hooked forward running
     assert dropped()[0]
-    prefetch.forward_entered()
+    read_ahead.forward_entered()
     try:
-        prefetch.drop_later(base + page, base + 2 * page, mapped)
+        pages.drop_later(base + page, base + 2 * page, mapped)
         assert dropped()[1:3] == [False, False]
-        prefetch.drop_later(base + 2 * page, base + 3 * page, mapped)  # two pages wait: the round
+        pages.drop_later(base + 2 * page, base + 3 * page, mapped)  # two pages wait: the round
         assert dropped()[1:3] == [True, True]
     finally:
-        prefetch.forward_left()
+        read_ahead.forward_left()
 
 
 @pytest.mark.timeout(60)
@@ -649,17 +650,17 @@ def test_a_range_taken_again_in_the_same_forward_is_dropped_first(written_map, m
     # values, as a fresh map would, not what its first run wrote; so the held release of what it
     # takes again is dropped before it runs, and the rest waits for the round.
     mapped, page, dropped = written_map
-    monkeypatch.setattr(prefetch, "DROP_BATCH", 1 << 30)
+    monkeypatch.setattr(pages, "DROP_BATCH", 1 << 30)
     base, per_page = mapped.data_ptr(), page // 4
     lower, upper = mapped[: 3 * per_page], mapped[4 * per_page :]  # two weights of one file
-    prefetch.forward_entered()
+    read_ahead.forward_entered()
     try:
-        prefetch.drop_later(base, base + 3 * page, lower)
-        prefetch.drop_later(base + 4 * page, base + 6 * page, upper)
-        prefetch.taking([mapped[4 * per_page :]])  # the second run looks the upper one up again
+        pages.drop_later(base, base + 3 * page, lower)
+        pages.drop_later(base + 4 * page, base + 6 * page, upper)
+        pages.taking([mapped[4 * per_page :]])  # the second run looks the upper one up again
         assert dropped() == [False, False, False, False, True, True]
     finally:
-        prefetch.forward_left()
+        read_ahead.forward_left()
     assert dropped() == [True, True, True, False, True, True]  # the other range, in the round
 
 
@@ -667,7 +668,7 @@ def _prefetcher_of(model):
     from notebook_accel.utils.offload import root_loader
 
     hook = next(m._hf_hook for m in model.modules() if getattr(getattr(m, "_hf_hook", None), "offload", False))
-    return prefetch.for_map(root_loader(hook.weights_map))
+    return read_ahead.for_map(root_loader(hook.weights_map))
 
 
 @pytest.mark.timeout(60)
@@ -700,7 +701,7 @@ class _Rotary(nn.Module):
 
 @pytest.mark.timeout(60)
 def test_a_hook_without_weights_does_not_keep_waking_the_read_ahead(tmp_path, monkeypatch):
-    from notebook_accel import hooks
+    from notebook_accel.big_model import hooks
 
     monkeypatch.setattr(hooks, "PREFETCH", "1")
     torch.manual_seed(0)
@@ -721,7 +722,7 @@ def test_a_hook_without_weights_does_not_keep_waking_the_read_ahead(tmp_path, mo
 @pytest.mark.timeout(60)
 def test_a_two_hook_model_wakes_its_read_ahead_when_evicted(tmp_path, monkeypatch):
     # With fewer than AHEAD + 1 hooks the weights "AHEAD on" are the next forward's first ones.
-    from notebook_accel import hooks
+    from notebook_accel.big_model import hooks
 
     monkeypatch.setattr(hooks, "PREFETCH", "1")
     torch.manual_seed(0)
@@ -769,10 +770,10 @@ class _Twice(nn.Module):
 def test_a_module_run_twice_in_a_forward_sees_the_files_weights_each_time(tmp_path, monkeypatch, batch):
     # Offloaded weights come fresh from the file at each run (accelerate reads them anew): what the
     # first run wrote to them must not reach the second, however released pages are batched.
-    from notebook_accel import hooks
+    from notebook_accel.big_model import hooks
 
     monkeypatch.setattr(hooks, "PREFETCH", "1")
-    monkeypatch.setattr(prefetch, "DROP_BATCH", batch)
+    monkeypatch.setattr(pages, "DROP_BATCH", batch)
     torch.manual_seed(0)
     model = _Twice().eval()
     x = torch.randn(2, WIDTH)
@@ -791,16 +792,16 @@ def test_a_range_released_twice_counts_once_toward_a_round(written_map, monkeypa
     # Two names for one weight release it twice: counted twice, rounds would come early and the
     # count, never quite given back, would end batching forward after forward.
     mapped, page, dropped = written_map
-    monkeypatch.setattr(prefetch, "DROP_BATCH", 3 * page)
+    monkeypatch.setattr(pages, "DROP_BATCH", 3 * page)
     base = mapped.data_ptr()
     for _ in range(3):
-        prefetch.forward_entered()
+        read_ahead.forward_entered()
         try:
-            prefetch.drop_later(base, base + 2 * page, mapped)
-            prefetch.drop_later(base, base + 2 * page, mapped)  # the same, again: not a round yet
+            pages.drop_later(base, base + 2 * page, mapped)
+            pages.drop_later(base, base + 2 * page, mapped)  # the same, again: not a round yet
             assert dropped()[:2] == [False, False]
-            prefetch.taking([mapped])
-            assert dropped()[:2] == [True, True] and prefetch._room.held_bytes == 0
+            pages.taking([mapped])
+            assert dropped()[:2] == [True, True] and pages._room.held_bytes == 0
             mapped.fill_(-1)
         finally:
-            prefetch.forward_left()
+            read_ahead.forward_left()

@@ -1,4 +1,4 @@
-"""Making room for the read-ahead (utils/prefetch.make_room): while a forward waits for weights
+"""Making room for the read-ahead (big_model/read_ahead.make_room): while a forward waits for weights
 read from the disk, it computes with one torch thread fewer when torch has a thread per core,
 and gets the thread back once no read is in flight, when its forward raises, or never loses it
 when the reads keep ahead."""
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from test_prefetch import offloaded  # noqa: F401  (a fixture)
 
-from notebook_accel.utils import prefetch
+from notebook_accel.big_model import pages, read_ahead
 
 CORES = len(os.sched_getaffinity(0))
 needs_two_cores = pytest.mark.skipif(CORES < 2, reason=f"{CORES} core: there is no thread to give up")
@@ -25,7 +25,7 @@ def every_core():
     before = torch.get_num_threads()
     torch.set_num_threads(CORES)
     yield CORES
-    prefetch.give_room_back()
+    read_ahead.give_room_back()
     torch.set_num_threads(before)
 
 
@@ -41,14 +41,14 @@ def threads_per_linear(model) -> list:
 
 def slow_disk(monkeypatch, seconds: float) -> None:
     """Every read ahead goes to the thread (as from the disk) and takes `seconds`."""
-    touch = prefetch.touch
+    touch = pages.touch
 
     def slow_touch(tensor):
         time.sleep(seconds)
         return touch(tensor)
 
-    monkeypatch.setattr(prefetch, "resident", lambda tensor, samples=4: False)
-    monkeypatch.setattr(prefetch, "touch", slow_touch)
+    monkeypatch.setattr(pages, "resident", lambda tensor, samples=4: False)
+    monkeypatch.setattr(pages, "touch", slow_touch)
 
 
 @needs_two_cores
@@ -107,33 +107,33 @@ def test_a_forward_that_raises_gives_the_thread_back(offloaded, monkeypatch, eve
 
 @needs_two_cores
 def test_room_is_per_thread_and_a_count_set_meanwhile_is_kept(every_core):
-    prefetch.make_room(True)
-    assert torch.get_num_threads() == every_core - 1 and prefetch.room_made()
-    prefetch.make_room(True)  # made once
+    read_ahead.make_room(True)
+    assert torch.get_num_threads() == every_core - 1 and read_ahead.room_made()
+    read_ahead.make_room(True)  # made once
     assert torch.get_num_threads() == every_core - 1
     other = []
-    worker = threading.Thread(target=lambda: other.append(prefetch.room_made()))
+    worker = threading.Thread(target=lambda: other.append(read_ahead.room_made()))
     worker.start()
     worker.join()
     assert other == [False]
-    prefetch.make_room(False)
-    assert torch.get_num_threads() == every_core and not prefetch.room_made()
+    read_ahead.make_room(False)
+    assert torch.get_num_threads() == every_core and not read_ahead.room_made()
 
-    prefetch.make_room(True)
+    read_ahead.make_room(True)
     torch.set_num_threads(every_core + 1)  # the forward chose its own count: left as it is
-    prefetch.give_room_back()
+    read_ahead.give_room_back()
     assert torch.get_num_threads() == every_core + 1
 
 
 @needs_two_cores
 def test_no_room_is_made_with_a_core_already_free_or_when_turned_off(every_core, monkeypatch):
     torch.set_num_threads(every_core - 1)
-    prefetch.make_room(True)
-    assert torch.get_num_threads() == every_core - 1 and not prefetch.room_made()
+    read_ahead.make_room(True)
+    assert torch.get_num_threads() == every_core - 1 and not read_ahead.room_made()
     torch.set_num_threads(every_core)
-    monkeypatch.setattr(prefetch, "MAKE_ROOM", False)
-    prefetch.make_room(True)
-    assert torch.get_num_threads() == every_core and not prefetch.room_made()
+    monkeypatch.setattr(read_ahead, "MAKE_ROOM", False)
+    read_ahead.make_room(True)
+    assert torch.get_num_threads() == every_core and not read_ahead.room_made()
 
 
 @needs_two_cores
@@ -145,14 +145,14 @@ def test_room_made_in_a_forward_is_given_back_when_the_forward_ends(offloaded, e
     made = []
 
     def room_after_the_last_lookup(module, args, output):
-        prefetch.make_room(True)
+        read_ahead.make_room(True)
         made.append(torch.get_num_threads())
 
     model.blocks[-1].down.register_forward_hook(room_after_the_last_lookup)
     with torch.no_grad():
         assert torch.equal(model(x), reference)
     assert made == [every_core - 1], made
-    assert torch.get_num_threads() == every_core and not prefetch.room_made()
+    assert torch.get_num_threads() == every_core and not read_ahead.room_made()
 
     def fail_after(module, args, output):  # a forward hook runs after the offload hook's post_forward
         raise RuntimeError("a forward hook failed")
@@ -160,7 +160,7 @@ def test_room_made_in_a_forward_is_given_back_when_the_forward_ends(offloaded, e
     model.blocks[2].down.register_forward_hook(fail_after)
     with torch.no_grad(), pytest.raises(RuntimeError, match="forward hook failed"):
         model(x)
-    assert torch.get_num_threads() == every_core and not prefetch.room_made()
+    assert torch.get_num_threads() == every_core and not read_ahead.room_made()
 
 
 @needs_two_cores
@@ -169,6 +169,6 @@ def test_align_module_device_gives_room_back(offloaded, every_core):  # noqa: F8
 
     model, *_ = offloaded
     with pytest.raises(RuntimeError, match="inside"), align_module_device(model.blocks[0].up):
-        prefetch.make_room(True)
+        read_ahead.make_room(True)
         raise RuntimeError("inside")
-    assert torch.get_num_threads() == every_core and not prefetch.room_made()
+    assert torch.get_num_threads() == every_core and not read_ahead.room_made()

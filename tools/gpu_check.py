@@ -739,13 +739,13 @@ def check_dispatch() -> dict:
 
 def check_staging() -> dict:
     """A disk-offloaded forward on cuda:0 with the read-ahead off and on: with it on, the next
-    layer's weights are copied ahead (pinned memory, side stream: utils/staging.py)."""
+    layer's weights are copied ahead (pinned memory, side stream: big_model/staging.py)."""
     import copy
 
     import torch
 
-    from notebook_accel import disk_offload, hooks, init_empty_weights
-    from notebook_accel.utils import staging
+    from notebook_accel import disk_offload, init_empty_weights
+    from notebook_accel.big_model import hooks, staging
 
     build, reference, x, expected = _mlp(2048, 8)
     staged = []

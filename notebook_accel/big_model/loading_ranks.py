@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .loading import CheckpointReadError, _WeightsFile, checkpoint_files
+from .weights_files import CheckpointReadError, _WeightsFile, checkpoint_files
 
 
 def process_group_rank() -> int:

@@ -18,13 +18,10 @@ from typing import Optional
 
 import torch
 
-from .modeling import (
-    clean_device_map,
-    compute_module_sizes,
-    find_tied_parameters,
-    get_max_layer_size,
-    get_max_memory,
-)
+from ..utils.other import check_tied_parameters_in_config
+from .device_map import clean_device_map, get_max_memory
+from .sizes import compute_module_sizes, get_max_layer_size
+from .tensors import find_tied_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -290,8 +287,6 @@ def infer_auto_device_map(
     smaller layer that fits. Warns when the buffers of offloaded modules (which stay on the
     execution device unless `offload_buffers`) fit no accelerator.
     """
-    from .other import check_tied_parameters_in_config
-
     budgets = get_max_memory(max_memory)
     no_split = _as_list(no_split_module_classes)
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)

@@ -17,8 +17,8 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
+from ..utils.constants import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
 from .hooks import ModelHook, add_hook_to_module
-from .utils.constants import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Reading offloaded weights ahead of the forward that needs them.
 
-Disk-offloaded weights are memory maps (one per file, kept open by the loader, utils/offload.py,
+Disk-offloaded weights are memory maps (one per file, kept open by the loader, store.py,
 advised MADV_HUGEPAGE so the kernel reads and maps them 2 MB at a time). A `Prefetcher`, one per
 weights map, learns the order in which the map's hooks run on the first forward; when hook k runs,
 it looks up the weights of the next `AHEAD` hooks. Those already in the page cache are mapped at
@@ -20,25 +20,19 @@ figures.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
 
-from . import staging
+from . import pages, staging
+from .store import root_loader
 
 AHEAD = 2  # hooks read ahead of the one running: the bytes added are at most this many blocks
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ATTRIBUTE = "_notebook_accel_prefetcher"
 MAKE_ROOM = True  # make_room() on or off (benchmarks/prefetch.py measures both)
-# Pages released inside a forward are dropped in rounds of at least this many bytes: every
-# MADV_DONTNEED interrupts each core running the process to flush its TLB, and one call per tensor
-# cost about 2 ms of a 37 ms forward of benchmarks/offload.py's dispatched model.
-DROP_BATCH = 32 << 20
-# .threads: the forward thread's torch thread count before it made room; .depth: hooked forwards
-# running on it; .held: {start: (end, tensor)} released in them and not yet dropped.
+# .threads: the forward thread's torch thread count before it made room.
 _room = threading.local()
 _NOTHING = object()  # the probe of a hook with no weights: always "cached"
 
@@ -52,157 +46,6 @@ def wanted(setting: str, execution_device) -> bool:
     if setting in ("0", "off", "false", "no"):
         return False
     return execution_device is None or str(execution_device).split(":")[0] != "meta"
-
-
-def touch(tensor: torch.Tensor) -> torch.Tensor:
-    """Read a CPU tensor's pages in and map them, so the forward that uses it takes no fault."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
-        return tensor
-    size = tensor.numel() * tensor.element_size()
-    # MADV_POPULATE_READ (Linux 5.14+) reads and maps the range in one call, in the mapping's folio
-    # size (2 MB under advise_huge); MADV_WILLNEED first would read in small folios instead.
-    if _madvise(tensor.data_ptr(), size, 22) != 0:
-        _madvise(tensor.data_ptr(), size, 3)  # MADV_WILLNEED: the disk gets the whole range at once
-        flat = tensor.detach().reshape(-1).view(torch.uint8)
-        flat[::_PAGE].sum()
-    return tensor
-
-
-def resident(tensor: torch.Tensor, samples: int = 4) -> bool:
-    """Whether a CPU tensor's pages are in memory, judged by `samples` pages spread over it (mincore
-    walks every page it is asked about: all of a 16 MB tensor took 0.15 ms). A file leaves the page
-    cache in large runs (2 MB folios), so a sample tells; a miss only makes the read synchronous.
-    True where it cannot be told."""
-    size = tensor.numel() * tensor.element_size()
-    if tensor.device.type != "cpu" or size == 0 or _mincore() is False:
-        return True
-    import ctypes
-
-    address = tensor.data_ptr()
-    first = address - address % _PAGE
-    last = address + size - 1
-    last -= last % _PAGE
-    step = max(_PAGE, (last - first) // samples // _PAGE * _PAGE)
-    flag = ctypes.c_ubyte()
-    page = first
-    if samples == 1:  # the middle page alone
-        page = last = first + (last - first) // 2 // _PAGE * _PAGE
-    while True:
-        if _mincore()(page, 1, ctypes.byref(flag)) != 0:
-            return True
-        if not flag.value & 1:
-            return False
-        if page == last:
-            return True
-        page = min(page + step, last)
-
-
-_libc_mincore = None
-
-
-def _mincore():
-    global _libc_mincore
-    if _libc_mincore is None:
-        try:
-            import ctypes
-
-            _libc_mincore = ctypes.CDLL(None, use_errno=True).mincore
-            _libc_mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-        except Exception:  # Windows has no CDLL(None): every page counts as resident
-            _libc_mincore = False
-    return _libc_mincore
-
-
-def drop_pages(start: int, end: int) -> None:
-    """MADV_DONTNEED on the whole pages inside [start, end): for a file mapping nobody wrote to, the
-    pages leave the process's RSS and are read again from the page cache when next touched."""
-    first = -(-start // _PAGE) * _PAGE
-    last = end - end % _PAGE
-    if last > first:
-        _madvise(first, last - first, 4)  # MADV_DONTNEED
-
-
-def drop_later(start: int, end: int, tensor: torch.Tensor) -> None:
-    """`drop_pages(start, end)`, at once outside a hooked forward; inside one, together with other
-    ranges once DROP_BATCH bytes wait or the outermost forward ends. `tensor` (a view of the range)
-    is held until then, so its mapping cannot be unmapped and the address reused first."""
-    if not getattr(_room, "depth", 0):
-        drop_pages(start, end)
-        return
-    held = _room.__dict__.setdefault("held", {})  # start -> (end, tensor)
-    before = held[start][0] if start in held else start  # released twice: counted once
-    held[start] = (max(end, before), tensor)
-    _room.held_bytes = getattr(_room, "held_bytes", 0) + max(0, end - before)
-    if _room.held_bytes >= DROP_BATCH:
-        drop_held()
-
-
-def drop_held() -> None:
-    """Drop what `drop_later` holds for this thread, adjoining ranges in one call."""
-    held = getattr(_room, "held", None)
-    _room.held, _room.held_bytes = {}, 0
-    if not held:
-        return
-    ranges = sorted((low, high) for low, (high, _) in held.items())
-    start, end = ranges[0]
-    for low, high in ranges[1:]:
-        if low <= end:  # adjoining or overlapping: the pages between are released too
-            end = max(end, high)
-        else:  # a gap may hold other memory: never dropped
-            drop_pages(start, end)
-            start, end = low, high
-    drop_pages(start, end)
-
-
-def taking(tensors) -> None:
-    """A hook is about to use `tensors`: the held ranges of the same tensors (released earlier in
-    this forward: a module run twice, a tied weight) are dropped now, as releasing at once would
-    have, so their whole pages show the file's values again whatever a run before wrote to them
-    (the partial pages at a tensor's ends keep such writes, as they always did). By start address:
-    the loader's tensors of different keys never overlap (separate files, or safetensors' checked
-    layout). A hook around this one still using the same tensor reads it back from the page cache."""
-    held = getattr(_room, "held", None)
-    if not held:
-        return
-    for tensor in tensors:
-        found = held.pop(tensor.data_ptr(), None)
-        if found is not None:
-            _room.held_bytes -= found[0] - tensor.data_ptr()
-            drop_pages(tensor.data_ptr(), found[0])
-
-
-def advise_huge(address: int, size: int) -> None:
-    """MADV_HUGEPAGE on a file mapping: pages read in from then on come as 2 MB folios where the
-    file system allows, each mapped (and later dropped) in one step rather than 512. Without it a
-    warm forward of a disk-offloaded model spent about a third of its time faulting and unmapping."""
-    if size >= 2 << 20:
-        _madvise(address, size, 14)
-
-
-_libc_madvise = None
-
-
-def _madvise(address: int, size: int, advice: int) -> None:
-    global _libc_madvise
-    if _libc_madvise is None:
-        _libc_madvise = _load_madvise()
-    if _libc_madvise:
-        start = address - address % _PAGE
-        return _libc_madvise(start, size + (address - start), advice)
-    return -1
-
-
-def _load_madvise():
-    if not sys.platform.startswith("linux"):  # the advice numbers here are Linux's
-        return False
-    try:
-        import ctypes
-
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        return madvise
-    except Exception:  # no libc madvise: the faults read as they come
-        return False
 
 
 def make_room(needed: bool) -> None:
@@ -241,17 +84,15 @@ def room_made() -> bool:
 
 def forward_entered() -> None:
     """A hooked module's forward begins on this thread (hooks._hooked_forward)."""
-    _room.depth = getattr(_room, "depth", 0) + 1
+    pages.entered()
 
 
 def forward_left() -> None:
     """It ended, returned or raised: at the outermost one, a thread given up is given back (a
     forward whose learned order runs past where it stopped still has reads in flight) and the
     pages released in it are dropped."""
-    _room.depth = max(0, getattr(_room, "depth", 1) - 1)
-    if _room.depth == 0:
+    if pages.left():
         give_room_back()
-        drop_held()
 
 
 class Prefetcher:
@@ -265,7 +106,7 @@ class Prefetcher:
         self._reading: set = set()  # keys whose pending future reads from the disk (or copies)
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pid = None
-        self._stagers: dict = {}  # execution device -> stager (utils/staging.py)
+        self._stagers: dict = {}  # execution device -> stager (staging.py)
         self.release = release  # the loader's release_pages: a staged tensor's source is let go
         self.inline = inline  # True when lookups only map (the loader's maps_in_place): done here
         # Warm, reading ahead only moves the forward's page faults earlier and costs bookkeeping:
@@ -331,7 +172,7 @@ class Prefetcher:
         # more hooks than AHEAD, a running hook's own), sampled: a miss (the page cache was
         # dropped, or evicted) wakes the read-ahead up.
         probe = self._probes.get(self.order[(here + AHEAD) % len(self.order)])
-        return probe is _NOTHING or (probe is not None and resident(probe, samples=1))
+        return probe is _NOTHING or (probe is not None and pages.resident(probe, samples=1))
 
     def _wanted(self, here: int) -> list:
         return [self.order[i] for i in range(here + 1, min(here + 1 + AHEAD, len(self.order)))]
@@ -388,8 +229,8 @@ class Prefetcher:
         except Exception as exc:  # raised by the forward that needs them, as a plain read would
             done.set_exception(exc)
             return done
-        if stager is None and all(resident(t) for t in tensors.values()):
-            done.set_result({name: touch(tensor) for name, tensor in tensors.items()})
+        if stager is None and all(pages.resident(t) for t in tensors.values()):
+            done.set_result({name: pages.touch(tensor) for name, tensor in tensors.items()})
             self._cached_run = self._cached_run + 1 if may_quiet else 0
             self._quiet = self._cached_run >= max(1, len(self.order) - 1)
             return done
@@ -397,7 +238,7 @@ class Prefetcher:
         return pool.submit(self._read, tensors, stager)
 
     def _read(self, tensors: dict, stager) -> dict:
-        tensors = {name: touch(tensor) for name, tensor in tensors.items()}
+        tensors = {name: pages.touch(tensor) for name, tensor in tensors.items()}
         return tensors if stager is None else self._stage_now(tensors, stager)
 
     def _stage(self, earlier: Future, stager):
@@ -414,8 +255,6 @@ def for_map(weights_map, device=None) -> Optional[Prefetcher]:
     """The prefetcher of the loader under `weights_map`, made on first use. None where there is
     nothing to do ahead: a map of tensors already in memory, unless `device` (the execution
     device) has a stager to copy them there ahead."""
-    from .offload import root_loader
-
     root = root_loader(weights_map)
     if root is None or not (root.index or staging.stages(device)):
         return None

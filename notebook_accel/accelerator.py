@@ -1,26 +1,31 @@
 """Accelerator: the facade a training loop talks to. Thin on purpose: the work lives in data_loader.py,
-optimizer.py, scheduler.py, precision.py, model_wrapping.py, checkpointing.py and tracking.py."""
+optimizer.py, scheduler.py, precision.py, model_wrapping.py, checkpointing.py and tracking.py; what
+prepare produced lives in prepared.py's registry, which checkpointing reads."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from . import fsdp, model_wrapping, precision
-from .accelerator_tools import AcceleratorTools
+from . import checkpointing, fsdp, model_wrapping, precision
+from .prepared import Prepared, registry_property
 from .state import AcceleratorState, GradientState
 from .utils import operations as ops
 from .utils.dataclasses import (
+    PROFILE_PATTERN_NAME,
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    DistributedType,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    ProfileKwargs,
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
@@ -41,7 +46,7 @@ def _forward(owner: str, name: str, settable: bool = False) -> property:
     return property(get, set_ if settable else None, doc=f"`self.{owner}.{name}`")
 
 
-class Accelerator(AcceleratorTools):
+class Accelerator:
     """Add `Accelerator()`, `prepare(...)` and `backward(loss)` to an existing loop; the same code
     then runs on 1 or N processes, in fp32, bf16 or fp16."""
 
@@ -92,7 +97,7 @@ class Accelerator(AcceleratorTools):
         self.scaler_handler = handlers.get(GradScalerKwargs)
         self.init_handler = handlers.get(InitProcessGroupKwargs)
         self.autocast_handler = handlers.get(AutocastKwargs)
-        self._set_profile_handler(handlers)
+        self.profile_handler = handlers.get(ProfileKwargs)
 
         if dynamo_plugin is not None and dynamo_backend is not None:
             raise ValueError("Pass either dynamo_backend or dynamo_plugin, not both.")
@@ -139,12 +144,8 @@ class Accelerator(AcceleratorTools):
         self.scaler = precision.make_grad_scaler(self.state.mixed_precision, self.device, self.scaler_handler)
         self.step = 0
         self.flag_tensor = None
-        self._models: list = []
-        self._optimizers: list = []
+        self._prepared = Prepared()
         self._pending_optimizers: list = []  # this prepare call's, not yet prepared: FSDP re-points them as it shards
-        self._schedulers: list = []
-        self._dataloaders: list = []
-        self._custom_objects: list = []
         self._unscaled: set = set()
         self.log_with = log_with
         self.trackers: list = []
@@ -174,6 +175,21 @@ class Accelerator(AcceleratorTools):
     logging_dir = _forward("project_configuration", "logging_dir")
     save_iteration = _forward("project_configuration", "iteration")
 
+    # -- what prepare produced (prepared.py); accelerate's attribute names, read by user code and transformers
+    _models = registry_property("models")
+    _optimizers = registry_property("optimizers")
+    _schedulers = registry_property("schedulers")
+    _dataloaders = registry_property("dataloaders")
+    _custom_objects = registry_property("custom_objects")
+
+    @property
+    def _save_model_state_pre_hook(self):
+        return self._prepared.pre_hooks["save"]
+
+    @property
+    def _load_model_state_pre_hook(self):
+        return self._prepared.pre_hooks["load"]
+
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
@@ -191,8 +207,14 @@ class Accelerator(AcceleratorTools):
         self.gradient_state._set_sync_gradients(value)
 
     @property
+    def multi_device(self) -> bool:
+        """Several processes, each on its own accelerator device (not CPU processes, not XLA)."""
+        kind = str(self.distributed_type)
+        return bool(self.use_distributed) and kind.startswith("MULTI_") and kind != DistributedType.MULTI_CPU
+
+    @property
     def optimizer_step_was_skipped(self) -> bool:
-        return any(opt.step_was_skipped for opt in self._optimizers)
+        return any(opt.step_was_skipped for opt in self._prepared.optimizers)
 
     # -- prepare ----------------------------------------------------------------------------
     def prepare(self, *args, device_placement: Optional[list] = None):
@@ -227,7 +249,7 @@ class Accelerator(AcceleratorTools):
     def prepare_model(
         self, model: torch.nn.Module, device_placement: Optional[bool] = None, evaluation_mode=False
     ):
-        if _already_prepared(model, self._models):
+        if _already_prepared(model, self._prepared, "models"):
             return model
         if device_placement is None:
             device_placement = self.device_placement
@@ -237,7 +259,7 @@ class Accelerator(AcceleratorTools):
         model_wrapping.check_quantized_placement(
             model, self.state, bnb_cpu=is_bitsandbytes_multi_backend_available, xpu=is_xpu_available
         )
-        self._models.append(model)
+        self._prepared.models.append(model)
         from_rank0 = wrapped is not None and plugin.cpu_ram_efficient_loading and fsdp.sharding(self.state)
         if device_placement and not getattr(model, "hf_device_map", None) and not from_rank0:
             model = model.to(self.device)
@@ -248,40 +270,44 @@ class Accelerator(AcceleratorTools):
                 model, self.mixed_precision, self.device, self.autocast_handler
             )
         if wrapped is not None and fsdp.sharding(self.state):
-            optimizers = [*self._optimizers, *self._pending_optimizers]
+            optimizers = [*self._prepared.optimizers, *self._pending_optimizers]
             model = fsdp.shard_model(model, plugin, wrapped, self._fsdp_params, optimizers, self.device)
         model = model_wrapping.wrap_model(
             model, self.state, self.ddp_handler, self.dynamo_plugin, evaluation_mode=evaluation_mode
         )
-        self._models[-1] = model
+        self._prepared.models[-1] = model
         return _mark_prepared(model)
 
     def prepare_optimizer(self, optimizer, device_placement: Optional[bool] = None):
         from .optimizer import AcceleratedOptimizer
 
-        if _already_prepared(optimizer, self._optimizers) or isinstance(optimizer, AcceleratedOptimizer):
+        if _already_prepared(optimizer, self._prepared, "optimizers") or isinstance(
+            optimizer, AcceleratedOptimizer
+        ):
             return optimizer
         if device_placement is None:
             device_placement = self.device_placement
         fsdp.repoint_optimizer(optimizer, self._fsdp_params)
         wrapped = AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.scaler)
-        self._optimizers.append(wrapped)
+        self._prepared.optimizers.append(wrapped)
         return _mark_prepared(wrapped)
 
     def prepare_scheduler(self, scheduler):
         from .scheduler import AcceleratedScheduler
 
-        if _already_prepared(scheduler, self._schedulers):
+        if _already_prepared(scheduler, self._prepared, "schedulers"):
             return scheduler
         inner = getattr(scheduler, "optimizer", None)
-        optimizers = [opt for opt in self._optimizers if opt.optimizer is inner] or self._optimizers
+        optimizers = [
+            opt for opt in self._prepared.optimizers if opt.optimizer is inner
+        ] or self._prepared.optimizers
         wrapped = AcceleratedScheduler(
             scheduler,
             optimizers,
             step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
         )
-        self._schedulers.append(wrapped)
+        self._prepared.schedulers.append(wrapped)
         return _mark_prepared(wrapped)
 
     def prepare_data_loader(
@@ -289,7 +315,7 @@ class Accelerator(AcceleratorTools):
     ):
         from .data_loader import prepare_data_loader
 
-        if _already_prepared(data_loader, self._dataloaders):
+        if _already_prepared(data_loader, self._prepared, "dataloaders"):
             return data_loader
         if device_placement is None:
             device_placement = self.device_placement
@@ -310,7 +336,7 @@ class Accelerator(AcceleratorTools):
             non_blocking=config.non_blocking,
             use_stateful_dataloader=config.use_stateful_dataloader,
         )
-        self._dataloaders.append(prepared)
+        self._prepared.dataloaders.append(prepared)
         return _mark_prepared(prepared)
 
     # -- the training step ------------------------------------------------------------------
@@ -373,7 +399,7 @@ class Accelerator(AcceleratorTools):
         if self.scaler is None:
             return
         optimizers = (
-            self._optimizers
+            self._prepared.optimizers
             if optimizer is None
             else list(optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
         )
@@ -469,7 +495,7 @@ class Accelerator(AcceleratorTools):
         from .data_loader import override_even_batches
 
         uneven = not (self.even_batches if even_batches is None else even_batches)
-        with override_even_batches(self._dataloaders if self.use_distributed else [], even_batches):
+        with override_even_batches(self._prepared.dataloaders if self.use_distributed else [], even_batches):
             with model_wrapping.join_uneven_inputs(joinables, self.state, enable=uneven):
                 yield
 
@@ -495,10 +521,7 @@ class Accelerator(AcceleratorTools):
 
     def free_memory(self, *objects):
         """Forget every prepared object (and release `objects`), then empty device caches."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
+        self._prepared.forget()
         self._fsdp_params.clear()
         self.step = 0
         from .utils.memory import release_memory
@@ -506,6 +529,95 @@ class Accelerator(AcceleratorTools):
         return release_memory(*objects)
 
     clear = free_memory
+
+    def verify_device_map(self, model) -> bool:
+        """`model` (or a submodule) was dispatched over more than one device by a device map
+        (big-model inference); such a model must not be prepared for data-parallel training."""
+        return any(len(getattr(m, "hf_device_map", None) or {}) > 1 for m in model.modules())
+
+    # -- checkpoints (checkpointing.py does the work, reading the registry) ----------------------
+    def register_for_checkpointing(self, *objects) -> None:
+        """Have save_state / load_state also save and restore `objects` (each with state_dict() and
+        load_state_dict()), in this order."""
+        self._prepared.register_for_checkpointing(*objects)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Have save_state call `hook(models, weights, output_dir)` on every process before it writes.
+
+        `models` are the prepared models, `weights` their state dicts in a list the hook may edit
+        (change a dict; remove one to save that model another way, and remove its model in the
+        load pre-hook too). `output_dir` is the folder being written: it becomes the checkpoint's
+        folder only once the save completes, so files the hook writes there are saved with it.
+        Returns a handle; `handle.remove()` unregisters the hook.
+        """
+        return self._prepared.add_state_pre_hook("save", hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Have load_state call `hook(models, input_dir)` on every process before it loads anything.
+
+        `models` is a list of the prepared models: remove one to load it yourself, and load_state
+        leaves it alone. `input_dir` is the checkpoint's folder. Returns a handle to remove it by.
+        """
+        return self._prepared.add_state_pre_hook("load", hook)
+
+    def save_state(
+        self, output_dir: Optional[str] = None, safe_serialization: bool = True, **save_model_func_kwargs
+    ):
+        """Save models, optimizers, schedulers, scaler, loaders' positions, registered objects and RNG.
+
+        accelerate hands `save_model_func_kwargs` to DeepSpeed only; here any keyword raises, named."""
+        return checkpointing.save_state(
+            self, self._prepared, output_dir, safe_serialization, **save_model_func_kwargs
+        )
+
+    def load_state(
+        self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **load_model_func_kwargs
+    ):
+        """Restore everything save_state wrote (no input_dir + automatic naming: the latest). Loaders
+        resume mid-epoch only with use_stateful_dataloader=True, else replay the epoch (see docs/checkpoints.md).
+
+        `load_model_func_kwargs` takes map_location, strict and trust_pickled_objects; `load_kwargs`
+        (accelerate's torch.load keywords) may say map_location, or weights_only=False, which is
+        trust_pickled_objects=True. Any other keyword (DeepSpeed's included) raises, named."""
+        checkpointing.load_state(self, self._prepared, input_dir, load_kwargs, **load_model_func_kwargs)
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: Union[str, os.PathLike],
+        max_shard_size: Union[int, str] = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write `model`'s weights (unwrapped) to `save_directory` as checkpointing.save_model does; the
+        weights of modules offloaded to the CPU or disk by a device map are read back to save them too."""
+        from .big_model.loading import get_state_dict_offloaded_model
+        from .utils.other import has_offloaded_params
+
+        if any(has_offloaded_params(m) for m in model.modules()):
+            state_dict = get_state_dict_offloaded_model(self.unwrap_model(model))
+        elif any(p.device.type == "meta" for p in model.parameters()):
+            raise RuntimeError("You can't save the model since some parameters are on the meta device.")
+        else:
+            state_dict = self.get_state_dict(model)
+        checkpointing.save_model(
+            state_dict,
+            save_directory,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+            is_main_process=self.is_main_process,
+        )
+        self.wait_for_everyone()
+
+    def save(self, obj, f, safe_serialization=False):
+        """torch.save (or safetensors for a dict of tensors) on the main process only."""
+        if not self.is_main_process:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file(obj, f)
+        else:
+            torch.save(obj, f)
 
     # -- tracking ---------------------------------------------------------------------------
     def init_trackers(
@@ -536,6 +648,28 @@ class Accelerator(AcceleratorTools):
                 tracker.finish()
         self.wait_for_everyone()
 
+    @contextlib.contextmanager
+    def profile(self, profile_handler: Optional[ProfileKwargs] = None):
+        """Run the block under torch.profiler and yield the profiler (`prof.step()`, `prof.key_averages()`).
+
+        Settings come from `profile_handler`, else the Accelerator's ProfileKwargs, else the defaults.
+        With `output_trace_dir`, each process writes its Chrome trace there as
+        `profile_<process_index>.json` after the block; then the processes wait for each other.
+        """
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        if not isinstance(handler, ProfileKwargs):
+            raise TypeError(
+                f"profile_handler must be a ProfileKwargs, got {type(handler).__name__}: {handler!r}"
+            )
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir is None:
+            return
+        os.makedirs(handler.output_trace_dir, exist_ok=True)
+        name = PROFILE_PATTERN_NAME.format(suffix=self.process_index)
+        profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, name))
+        self.wait_for_everyone()
+
     def __repr__(self) -> str:
         return f"Accelerator({self.distributed_type}, {self.num_processes} process(es), device={self.device}, mixed_precision={self.mixed_precision})"
 
@@ -548,13 +682,12 @@ def _kind(obj) -> str:
     return "first"
 
 
-def _already_prepared(obj, registry: list) -> bool:
+def _already_prepared(obj, prepared: Prepared, kind: str) -> bool:
     """`obj` came out of a prepare call (it carries accelerate's mark, which transformers reads too):
-    it is kept once in `registry` and handed back as it is, never wrapped a second time."""
+    it is kept once in the registry's `kind` list and handed back as it is, never wrapped a second time."""
     if not getattr(obj, "_is_accelerate_prepared", False):
         return False
-    if not any(item is obj for item in registry):
-        registry.append(obj)
+    prepared.keep(obj, kind)
     return True
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import fsdp_checkpoint
 from .serialization import (  # noqa: F401  (save_model and friends are part of this module's surface)
     MODEL_NAME,
     WEIGHTS_NAME,
@@ -276,6 +277,7 @@ def load_accelerator_state(
     load_model_func: Optional[Callable[[Any, dict, bool], Any]] = None,
     trust_pickled_objects: bool = False,
     agree: Optional[Callable[[Callable[[], None]], None]] = None,
+    restore_rng: bool = True,
 ) -> dict:
     """Restore what `save_accelerator_state` wrote, RNG states included; returns a summary.
 
@@ -286,6 +288,7 @@ def load_accelerator_state(
     say) is refused unless `trust_pickled_objects`, since unpickling runs the code a file names.
     `agree(check)` runs the check that raises on problems; an FSDP run passes one that raises on
     every rank when any rank found a problem, so none goes on into collectives alone.
+    `restore_rng=False` reads the RNG states but keeps this process's (a rank the saving run lacked).
     """
     folder = find_checkpoint(input_dir)
     if folder is None:
@@ -376,7 +379,8 @@ def load_accelerator_state(
         raise CheckpointError(_report(folder, "was only partly loaded", failures))
     for i in stateful:
         _rewind_unless_stateful(dataloaders[i], i)
-    restore_rng_states(rng)
+    if restore_rng:
+        restore_rng_states(rng)
     counts = (
         len(models),
         len(optimizers),
@@ -511,12 +515,63 @@ def rotate_checkpoints(project_config) -> list:
     return doomed
 
 
-# -- the Accelerator's save_state / load_state ------------------------------------------------
+# -- the Accelerator's save_state / load_state: where every save and load enters -------------------
+
+# accelerate hands these on to DeepSpeed's save_checkpoint / load_checkpoint; notebook_accel runs no DeepSpeed.
+DEEPSPEED_SAVE_KEYWORDS = ("tag", "client_state", "save_latest", "exclude_frozen_parameters")
+DEEPSPEED_LOAD_KEYWORDS = (
+    "tag",
+    "load_module_strict",
+    "load_optimizer_states",
+    "load_lr_scheduler_states",
+    "load_module_only",
+    "custom_load_fn",
+)
+LOAD_KEYWORDS = ("map_location", "strict", "trust_pickled_objects")
 
 
-def save_state(accelerator, output_dir: Optional[str] = None, safe_serialization: bool = True) -> str:
-    """Accelerator.save_state: pick the folder (automatic naming or output_dir), save, rotate."""
-    config = accelerator.project_configuration
+def _refuse(call: str, names, deepspeed: tuple, takes: str) -> None:
+    """Raise a TypeError naming every keyword in `names`: a typo must not pass as a quiet no-op."""
+    names = sorted(names)
+    if not names:
+        return
+    ours = [n for n in names if n in deepspeed]
+    why = f" ({', '.join(ours)}: DeepSpeed's, and notebook_accel does not run DeepSpeed)" if ours else ""
+    raise TypeError(f"{call} does not take {names}{why}; it takes {takes}.")
+
+
+def load_options(load_kwargs: Optional[dict], load_model_func_kwargs: dict) -> dict:
+    """Accelerator.load_state's keywords as load_state takes them: map_location, strict and
+    trust_pickled_objects directly; in `load_kwargs` (accelerate's torch.load keywords) map_location,
+    and weights_only, where False means trust_pickled_objects=True. Any other name raises, named."""
+    options = dict(load_model_func_kwargs)
+    extra = dict(load_kwargs or {})
+    if "map_location" in extra:
+        options.setdefault("map_location", extra.pop("map_location"))
+    if extra.pop("weights_only", True) is False:
+        options["trust_pickled_objects"] = True
+    _refuse(
+        "load_state()", set(options) - set(LOAD_KEYWORDS), DEEPSPEED_LOAD_KEYWORDS, ", ".join(LOAD_KEYWORDS)
+    )
+    _refuse(
+        "load_state(load_kwargs=...)",
+        extra,
+        (),
+        "{'map_location': ..., 'weights_only': False} (or leave it out)",
+    )
+    return options
+
+
+def save_state(
+    accelerator, prepared, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs
+) -> str:
+    """Accelerator.save_state: pick the folder (automatic naming or output_dir), save, rotate.
+
+    `prepared` is the Accelerator's registry (prepared.py); an FSDP run's models and optimizers are
+    taken and written by fsdp_checkpoint.py, inside the same atomic save.
+    """
+    _refuse("save_state()", kwargs, DEEPSPEED_SAVE_KEYWORDS, "output_dir and safe_serialization")
+    acc, config = accelerator, accelerator.project_configuration
     if config.automatic_checkpoint_naming:
         if output_dir is not None:
             raise ValueError("With automatic_checkpoint_naming, save_state() takes no output_dir.")
@@ -525,46 +580,54 @@ def save_state(accelerator, output_dir: Optional[str] = None, safe_serialization
         raise ValueError(
             "save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)."
         )
-    acc = accelerator
-    writer = folder_writer(output_dir, acc.process_index, acc.num_processes, config.save_on_each_node)
-    models, weights = list(acc._models), [acc.get_state_dict(m) for m in acc._models]
+    output_dir = os.path.abspath(output_dir)
+    if fsdp_checkpoint.applies(acc.state):
+        pieces = fsdp_checkpoint.save_pieces(acc, prepared, output_dir)
+    else:
+        writer = folder_writer(output_dir, acc.process_index, acc.num_processes, config.save_on_each_node)
+        models = list(prepared.models)
+        weights = [acc.get_state_dict(m) for m in models]
+        pieces = dict(
+            model_states=weights,
+            optimizers=prepared.optimizers,
+            is_main_process=writer,
+            before_writing=lambda folder: prepared.run_state_pre_hooks("save", models, weights, folder),
+        )
     path = save_accelerator_state(
         output_dir,
-        weights,
-        acc._optimizers,
-        acc._schedulers,
-        acc._dataloaders,
-        acc.process_index,
-        acc.num_processes,
+        schedulers=prepared.schedulers,
+        dataloaders=prepared.dataloaders,
+        process_index=acc.process_index,
+        num_processes=acc.num_processes,
         scaler=acc.scaler,
-        custom_objects=acc._custom_objects,
+        custom_objects=prepared.custom_objects,
         safe_serialization=safe_serialization,
         save_on_each_node=config.save_on_each_node,
-        is_main_process=writer,
         wait_for_everyone=acc.wait_for_everyone,
-        before_writing=lambda folder: acc._run_state_pre_hooks("save", models, weights, folder),
+        **pieces,
     )
     if config.automatic_checkpoint_naming:
         config.iteration += 1
-        if writer:  # each folder's writer rotates it (several when ranks keep their own folders)
+        if pieces[
+            "is_main_process"
+        ]:  # each folder's writer rotates it (several when ranks keep their own folders)
             rotate_checkpoints(config)
-        accelerator.wait_for_everyone()
+        acc.wait_for_everyone()
     return path
 
 
 def load_state(
-    accelerator,
-    input_dir: Optional[str] = None,
-    map_location="cpu",
-    strict: bool = True,
-    trust_pickled_objects: bool = False,
+    accelerator, prepared, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None, **kwargs
 ) -> None:
     """Accelerator.load_state: the given folder, or the latest automatic checkpoint.
 
-    trust_pickled_objects=True lets files that need full pickle (registered objects of your own
-    classes) load that way; unpickling runs code, so pass it only for checkpoints you trust.
+    Keywords as `load_options` reads them. trust_pickled_objects=True lets files that need full pickle
+    (registered objects of your own classes) load that way; unpickling runs code, so pass it only for
+    checkpoints you trust.
     """
-    config = accelerator.project_configuration
+    options = load_options(load_kwargs, kwargs)
+    strict = options.get("strict", True)
+    acc, config = accelerator, accelerator.project_configuration
     if input_dir is None:
         if not config.automatic_checkpoint_naming:
             raise ValueError(
@@ -574,20 +637,26 @@ def load_state(
         if not saved:
             raise FileNotFoundError(f"No checkpoint to load under {config.project_dir}/checkpoints.")
         input_dir = saved[-1]
-    acc, models = accelerator, list(accelerator._models)
-    acc._run_state_pre_hooks("load", models, find_checkpoint(input_dir) or input_dir)
+    if fsdp_checkpoint.applies(acc.state):
+        pieces = fsdp_checkpoint.load_pieces(acc, prepared, input_dir, strict)
+    else:
+        models = list(prepared.models)
+        prepared.run_state_pre_hooks("load", models, find_checkpoint(input_dir) or input_dir)
+        pieces = dict(
+            input_dir=input_dir,
+            models=[acc.unwrap_model(m) for m in models],  # after the hooks, which may take some out
+            optimizers=prepared.optimizers,
+            dataloaders=prepared.dataloaders,
+            process_index=acc.process_index,
+            strict=strict,
+        )
     load_accelerator_state(
-        input_dir,
-        [acc.unwrap_model(m) for m in models],
-        acc._optimizers,
-        acc._schedulers,
-        acc._dataloaders,
-        acc.process_index,
+        schedulers=prepared.schedulers,
         scaler=acc.scaler,
-        custom_objects=acc._custom_objects,
-        map_location=map_location,
-        strict=strict,
-        trust_pickled_objects=trust_pickled_objects,
+        custom_objects=prepared.custom_objects,
+        map_location=options.get("map_location", "cpu"),
+        trust_pickled_objects=options.get("trust_pickled_objects", False),
+        **pieces,
     )
     number = _number(input_dir)
     if config.automatic_checkpoint_naming and number is not None:

@@ -1,4 +1,5 @@
-"""save_state / load_state in an FSDP run (FSDP2, `fully_shard`).
+"""The FSDP branch of save_state / load_state (FSDP2, `fully_shard`): checkpointing.py, where every
+save and load enters, calls `save_pieces` / `load_pieces` when the run has an FSDP plugin.
 
 SHARDED_STATE_DICT: each model and optimizer is one `torch.distributed.checkpoint` folder
 (`pytorch_model_fsdp_{i}`, `optimizer_{i}`, accelerate's names) that every rank writes its own shards
@@ -6,7 +7,8 @@ into and reads its own shards from, resharding when the number of ranks changed;
 whole model. FULL_STATE_DICT: the model and optimizer are gathered to rank 0 (on CPU) and written as
 `model.safetensors` and `optimizer.bin` (the optimizer keyed by parameter name); a load sets every
 rank's shards from the full dicts. Everything else (schedulers, scaler, loaders, RNG states,
-registered objects) is written by `checkpointing.py` as in any run, inside the same atomic save.
+registered objects) is written by `checkpointing.py` as in any run, inside the same atomic save:
+this module returns the arguments of its save / load that an FSDP run changes, and never imports it.
 
 A sharded checkpoint needs one folder that every rank sees: a rank that cannot see what rank 0
 wrote gets a clear error on every rank, before anything is written. `torch.distributed.checkpoint`
@@ -19,15 +21,13 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Optional
 
 import torch
 
-from . import checkpointing
-from .serialization import CheckpointError
+from .serialization import MODEL_NAME, WEIGHTS_NAME, CheckpointError
 from .utils.checkpoint_files import find_checkpoint
+from .utils.constants import OPTIMIZER_NAME, RNG_STATE_NAME
 from .utils.dcp_plain import PlainLoadPlanner, PlainReader, one_process_quietly
-from .utils.random import capture_rng_states, restore_rng_states
 
 logger = logging.getLogger(__name__)
 
@@ -92,71 +92,47 @@ def _inner(optimizer):
 # -- saving ------------------------------------------------------------------------------------------
 
 
-def save_state(accelerator, output_dir: Optional[str] = None, safe_serialization: bool = True) -> str:
-    """Accelerator.save_state: the FSDP path when the run has a plugin, else checkpointing's."""
+def save_pieces(accelerator, prepared, output_dir: str) -> dict:
+    """Check that every rank saves into one shared `output_dir`, take the models' and optimizers' states
+    (`prepared`: the Accelerator's registry), and return the keyword arguments of
+    `checkpointing.save_accelerator_state` that an FSDP run sets (rank 0 writes the shared files)."""
     acc = accelerator
-    if not applies(acc.state):
-        return checkpointing.save_state(acc, output_dir, safe_serialization=safe_serialization)
-    config = acc.project_configuration
-    if config.automatic_checkpoint_naming:
-        if output_dir is not None:
-            raise ValueError("With automatic_checkpoint_naming, save_state() takes no output_dir.")
-        output_dir = checkpointing.next_checkpoint_dir(config)
-    elif output_dir is None:
-        raise ValueError(
-            "save_state() needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)."
-        )
-    if config.save_on_each_node and acc.num_processes > 1:
+    if acc.project_configuration.save_on_each_node and acc.num_processes > 1:
         raise ValueError(
             "save_on_each_node=True cannot hold an FSDP checkpoint: each rank writes only its own shards, so every "
             "rank must write into one folder that all of them see. Use a shared filesystem."
         )
-    output_dir = os.path.abspath(output_dir)
     _check_shared_folder(output_dir)
-    models = list(acc._models)
-    owners = [_model_of(_inner(o), models) for o in acc._optimizers]
-    if _sharded(acc.state):
+    models, optimizers = list(prepared.models), list(prepared.optimizers)
+    owners = [_model_of(_inner(o), models) for o in optimizers]
+    sharded = _sharded(acc.state)
+    if sharded:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         weights = [get_model_state_dict(m) for m in models]  # this rank's shards (DTensors)
-        optims = [get_optimizer_state_dict(m, _inner(o)) for m, o in zip(owners, acc._optimizers)]
+        optims = [get_optimizer_state_dict(m, _inner(o)) for m, o in zip(owners, optimizers)]
         shared_weights, shared_optims = [], []
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = [acc.get_state_dict(m) for m in models]  # full on rank 0, {} elsewhere
-        optims = [
-            get_optimizer_state_dict(m, _inner(o), options=full) for m, o in zip(owners, acc._optimizers)
-        ]
+        optims = [get_optimizer_state_dict(m, _inner(o), options=full) for m, o in zip(owners, optimizers)]
         shared_weights, shared_optims = weights, [_Fixed(s) for s in optims]
 
     def before_writing(folder: str) -> None:
-        _together("save_state's pre-hooks", lambda: acc._run_state_pre_hooks("save", models, weights, folder))
-        if _sharded(acc.state):
+        _together(
+            "save_state's pre-hooks", lambda: prepared.run_state_pre_hooks("save", models, weights, folder)
+        )
+        if sharded:
             _write_sharded(folder, weights, optims)
 
-    path = checkpointing.save_accelerator_state(
-        output_dir,
-        shared_weights,
-        shared_optims,
-        acc._schedulers,
-        acc._dataloaders,
-        acc.process_index,
-        acc.num_processes,
-        scaler=acc.scaler,
-        custom_objects=acc._custom_objects,
-        safe_serialization=safe_serialization,
+    return dict(
+        model_states=shared_weights,
+        optimizers=shared_optims,
         is_main_process=acc.process_index == 0,
-        wait_for_everyone=acc.wait_for_everyone,
         before_writing=before_writing,
     )
-    if config.automatic_checkpoint_naming:
-        config.iteration += 1
-        if acc.process_index == 0:
-            checkpointing.rotate_checkpoints(config)
-        acc.wait_for_everyone()
-    return path
 
 
 class _Fixed:
@@ -220,25 +196,12 @@ def _write_probe(parent: str, probe: str) -> None:
 # -- loading -----------------------------------------------------------------------------------------
 
 
-def load_state(accelerator, input_dir: Optional[str] = None, **kwargs) -> None:
-    """Accelerator.load_state: the FSDP path when the run has a plugin, else checkpointing's."""
+def load_pieces(accelerator, prepared, input_dir: str, strict: bool) -> dict:
+    """Check that every rank sees the checkpoint, run the load pre-hooks, load the sharded models and
+    optimizers (a SHARDED_STATE_DICT checkpoint), and return the keyword arguments of
+    `checkpointing.load_accelerator_state` that load the rest: the full models and optimizers of a
+    FULL_STATE_DICT checkpoint, and every other piece, with a read check every rank passes or fails together."""
     acc = accelerator
-    map_location = kwargs.get("map_location", "cpu")
-    strict = kwargs.get("strict", True)
-    trust = kwargs.get("trust_pickled_objects", False)
-    if not applies(acc.state):
-        checkpointing.load_state(acc, input_dir, map_location, strict, trust)
-        return
-    config = acc.project_configuration
-    if input_dir is None:
-        if not config.automatic_checkpoint_naming:
-            raise ValueError(
-                "load_state() needs an input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)."
-            )
-        saved = checkpointing.list_checkpoints(config)
-        if not saved:
-            raise FileNotFoundError(f"No checkpoint to load under {config.project_dir}/checkpoints.")
-        input_dir = saved[-1]
     folder = find_checkpoint(input_dir)
     seen = _all_gather(folder)
     if any(f is None for f in seen):
@@ -247,24 +210,22 @@ def load_state(accelerator, input_dir: Optional[str] = None, **kwargs) -> None:
             f"No checkpoint folder at {os.path.abspath(input_dir)!r} on rank(s) {blind}: an FSDP checkpoint is "
             "one folder every rank must see (a shared filesystem)."
         )
-    models = list(acc._models)
-    owners = [_model_of(_inner(o), models) for o in acc._optimizers]
-    _together("load_state's pre-hooks", lambda: acc._run_state_pre_hooks("load", models, folder))
+    models, optimizers = list(prepared.models), list(prepared.optimizers)
+    owners = [_model_of(_inner(o), models) for o in optimizers]
+    _together("load_state's pre-hooks", lambda: prepared.run_state_pre_hooks("load", models, folder))
     sharded = os.path.isdir(os.path.join(folder, f"{MODEL_FOLDER}_0")) or not models
     if sharded:
         _together("checking the sharded checkpoint", lambda: _check_sharded(folder, len(models), len(owners)))
-        _load_sharded(folder, models, owners, acc._optimizers, strict)
+        _load_sharded(folder, models, owners, optimizers, strict)
         models_for_files, optims_for_files, load_model = [], [], None
     else:
         _together("checking the checkpoint", lambda: _check_full(folder, len(models), len(owners)))
         models_for_files = models
-        optims_for_files = [_FullOptimizer(m, _inner(o)) for m, o in zip(owners, acc._optimizers)]
+        optims_for_files = [_FullOptimizer(m, _inner(o)) for m, o in zip(owners, optimizers)]
         load_model = _set_full_model
     # A rank the saving run did not have (more ranks now: the shards were resharded) has no RNG
     # states or loader positions of its own: it loads the shared pieces and keeps its RNG.
-    new_rank = not os.path.isfile(
-        os.path.join(folder, f"{checkpointing.RNG_STATE_NAME}_{acc.process_index}.pkl")
-    )
+    new_rank = not os.path.isfile(os.path.join(folder, f"{RNG_STATE_NAME}_{acc.process_index}.pkl"))
     if new_rank:
         logger.warning(
             "Rank %d is not in the checkpoint %s (saved on fewer ranks): its model and optimizer shards are "
@@ -272,28 +233,18 @@ def load_state(accelerator, input_dir: Optional[str] = None, **kwargs) -> None:
             acc.process_index,
             folder,
         )
-    kept_rng = capture_rng_states() if new_rank else None
-    checkpointing.load_accelerator_state(
-        folder,
-        models_for_files,
-        optims_for_files,
-        acc._schedulers,
-        [] if new_rank else acc._dataloaders,
-        0 if new_rank else acc.process_index,
-        scaler=acc.scaler,
-        custom_objects=acc._custom_objects,
-        map_location=map_location,
+    return dict(
+        input_dir=folder,
+        models=models_for_files,
+        optimizers=optims_for_files,
+        dataloaders=[] if new_rank else prepared.dataloaders,
+        process_index=0 if new_rank else acc.process_index,
         strict=strict and not new_rank,  # the ranks that were saved check the same files strictly
         load_model_func=load_model,
-        trust_pickled_objects=trust,
+        restore_rng=not new_rank,
         # A rank's own files (RNG states, loader positions) can be unreadable on it alone.
         agree=lambda check: _together("reading the checkpoint", check),
     )
-    if kept_rng is not None:
-        restore_rng_states(kept_rng)
-    number = checkpointing._number(input_dir)
-    if config.automatic_checkpoint_naming and number is not None:
-        config.iteration = number + 1
 
 
 def _check_sharded(folder: str, n_models: int, n_optimizers: int) -> None:
@@ -311,7 +262,7 @@ def _check_sharded(folder: str, n_models: int, n_optimizers: int) -> None:
 
 def _check_full(folder: str, n_models: int, n_optimizers: int) -> None:
     """The files every rank reads before the collectives that set the shards (so none waits in one)."""
-    names = [checkpointing._indexed(checkpointing.OPTIMIZER_NAME, i, ".bin") for i in range(n_optimizers)]
+    names = [_indexed(OPTIMIZER_NAME, i, ".bin") for i in range(n_optimizers)]
     for i in range(n_models):
         names.append(
             next((n for n in _model_files(i) if os.path.isfile(os.path.join(folder, n))), _model_files(i)[0])
@@ -323,13 +274,12 @@ def _check_full(folder: str, n_models: int, n_optimizers: int) -> None:
         )
 
 
-def _model_files(i: int) -> list:
-    from .serialization import MODEL_NAME, WEIGHTS_NAME
+def _indexed(stem: str, i: int, ext: str) -> str:
+    return f"{stem}{'' if i == 0 else f'_{i}'}{ext}"  # accelerate's numbering, as checkpointing.py writes it
 
-    return [
-        checkpointing._indexed(MODEL_NAME, i, ".safetensors"),
-        checkpointing._indexed(WEIGHTS_NAME, i, ".bin"),
-    ]
+
+def _model_files(i: int) -> list:
+    return [_indexed(MODEL_NAME, i, ".safetensors"), _indexed(WEIGHTS_NAME, i, ".bin")]
 
 
 def _load_sharded(folder: str, models: list, owners: list, optimizers: list, strict: bool) -> None:

@@ -141,11 +141,10 @@ def test_init_process_group_kwargs_choose_backend_rendezvous_and_timeout(tmp_pat
 def test_multi_device_means_several_processes_on_accelerator_devices():
     from types import SimpleNamespace
 
-    from notebook_accel.accelerator_tools import AcceleratorTools
     from notebook_accel.utils import DistributedType
 
     assert Accelerator(cpu=True).multi_device is False
-    ask = AcceleratorTools.multi_device.fget
+    ask = Accelerator.multi_device.fget
     assert ask(SimpleNamespace(use_distributed=True, distributed_type=DistributedType.MULTI_GPU)) is True
     assert ask(SimpleNamespace(use_distributed=True, distributed_type=DistributedType.MULTI_NPU)) is True
     assert ask(SimpleNamespace(use_distributed=True, distributed_type=DistributedType.MULTI_CPU)) is False

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-py312 browser lab bench lint layers conformance clean labextension labextension-dev test-extension
+.PHONY: demo test test-fast test-py312 browser lab bench lint layers conformance clean labextension labextension-dev test-extension
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,17 @@ test: $(STAMP) browser labextension-dev test-extension layers
 	$(BIN)/python -m pytest -q --durations=25 tests; suite=$$?; \
 	if ! wait $$builder; then cat $(VENV312).log; echo "make test: building $(VENV312) failed (its log is above)"; exit 1; fi; \
 	$(MAKE) --no-print-directory test-py312 && exit $$suite
+
+# The inner loop: the unit tier (tests/tiers.py: no process, no kernel) and a smoke set of real
+# launches: fork and spawn on 2 ranks, one session cell, one of accelerate's scripts on 2 ranks.
+SMOKE := "tests/test_launcher.py::test_results_are_indexed_by_local_rank[fork-2]" \
+	"tests/test_launcher.py::test_results_are_indexed_by_local_rank[spawn-2]" \
+	"tests/test_session.py::test_state_lives_across_cells[fork]" \
+	"tests/test_conformance.py::test_accelerate_script_passes[test_ops-2]"
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m unit tests
+	$(BIN)/python -m pytest -q $(SMOKE)
 
 # Python 3.12 (Colab's and Kaggle's) beside the dev venv's 3.11: a smoke subset (a fork and a spawn
 # launch, the %%accelerate magic in a kernel, the quickstart notebook). No CPU torch wheel for cp312

@@ -10,7 +10,6 @@ import sys
 
 from .launch import rank_imports as _rank_imports
 from .utils import cuda_init as _cuda_init
-from .utils import current as _current
 from .utils.lazy import lazy_exports
 from .utils.version import __version__
 
@@ -62,29 +61,6 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 __getattr__ = lazy_exports(globals(), _EXPORTS)
 
 
-# The composition root. The floor (utils/) may not import state or hardware, yet collectives need
-# the process's state (and autocast helpers its AcceleratorState) and device-map planning the machine: lend them, imported on first use.
-def _state():
-    from .state import PartialState
-
-    return PartialState()
-
-
-def _accelerator_state():
-    from .state import AcceleratorState
-
-    return AcceleratorState()
-
-
-def _machine():
-    from . import hardware
-
-    return hardware
-
-
-_current.register_state_provider(_state)
-_current.register_accelerator_state_provider(_accelerator_state)
-_current.register_machine_provider(_machine)
 # What a typical training function's ranks import: a fork launch imports them in the parent once
 # (launch/rank_imports.py), so forked ranks inherit them instead of each paying ~1.7 s every launch.
 _rank_imports.lend(

@@ -29,7 +29,7 @@ from .device_probes import (  # noqa: F401  (re-exported: part of hardware's pub
     probe_in_child,
     visible_cuda_records,
 )
-from .utils import current, families, imports
+from .utils import families, packages
 
 
 def detect_device_family() -> Optional[str]:
@@ -52,7 +52,7 @@ def device_count(family: Optional[str]) -> int:
 
 def tpu_present(env: Mapping[str, str] = os.environ) -> bool:
     """A TPU host: torch_xla installed and the runtime's variables say TPU."""
-    return imports.is_torch_xla_available() and imports.tpu_runtime(env)
+    return packages.has_module("torch_xla") and packages.tpu_runtime(env)
 
 
 def _probe_accelerators() -> list:
@@ -249,7 +249,7 @@ def _versions() -> dict:
         "torch_xla": None,
         "notebook_accel": __version__,
     }
-    if imports.is_torch_available():
+    if packages.has_module("torch"):
         import torch
 
         versions["torch"] = torch.__version__
@@ -379,5 +379,37 @@ def report(refresh: bool = False) -> HardwareReport:
     return result
 
 
-# The floor (utils/) asks for devices and memory through this registration; it cannot import us.
-current.register_machine_provider(sys.modules[__name__])
+# -- accelerate's probes that ask this machine's devices (utils.imports and utils.other re-export them)
+
+
+def is_bf16_available(ignore_tpu: bool = False) -> bool:
+    """bf16 works here: always on CPU (emulated where no native support); on CUDA, compute >= 8.0."""
+    if tpu_present() and not ignore_tpu:
+        return True
+    if families.family("cuda").is_available():
+        return all(d.supports_bf16 for d in accelerators())
+    return True
+
+
+def is_fp8_available() -> bool:
+    if not any(map(packages.has_module, ("transformer_engine", "torchao"))):
+        return False
+    if not families.family("cuda").is_available():
+        return False
+    return any(d.supports_fp8 for d in accelerators())
+
+
+def check_cuda_fp8_capability() -> bool:
+    """Whether the first CUDA GPU can compute in fp8 (compute capability 8.9 or later), read through NVML
+    without initialising CUDA; False where there is no CUDA GPU (accelerate raises there)."""
+    if not families.family("cuda").is_available():
+        return False
+    found = [d for d in accelerators() if d.kind == "cuda"]
+    return bool(found) and found[0].supports_fp8
+
+
+def get_gpu_info() -> tuple:
+    """(names, count) of the CUDA GPUs this process can use, found without initialising CUDA
+    (accelerate asks nvidia-smi); ([], 0) where there are none."""
+    names = [device.name for device in accelerators() if device.kind == "cuda"]
+    return names, len(names)

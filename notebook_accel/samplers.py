@@ -359,12 +359,3 @@ def _shuffling_sampler(sampler, state, num_processes, use_seedable_sampler, data
         sampler.generator.manual_seed(seed)
     return sampler, sampler.generator
 
-
-def __getattr__(name: str):
-    # The loader state moved to loader_state.py; old imports from here keep working (loaded lazily:
-    # loader_state imports this module).
-    if name in ("DataLoaderStateMixin", "STATE_FORMAT"):
-        from . import loader_state
-
-        return getattr(loader_state, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ import torch
 
 from . import hardware
 from .placement import resolve_placement
-from .utils import current, families, peers
+from .utils import families, peers
 from .utils.dataclasses import DistributedType, parse_mixed_precision
 from .utils.environment import DEBUG_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV, parse_bool, read_launch_env
 
@@ -583,6 +583,3 @@ def do_nothing(*args, **kwargs) -> None:
     """Takes anything, does nothing: the stand-in for a decorated function on the other processes."""
     return None
 
-
-# Collectives in utils/ reach the state through this (they may not import this module).
-current.register_state_provider(PartialState)

@@ -12,11 +12,40 @@ os.environ["NOTEBOOK_ACCEL_CONFIG_FILE"] = os.path.join(os.path.dirname(__file__
 # 230 MiB) that few of them use. Off here; tests/test_prewarm.py turns it back on for its own tests.
 os.environ["NOTEBOOK_ACCEL_PREWARM"] = "0"
 
+import multiprocessing.util  # noqa: E402
+import subprocess  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
+import tiers  # noqa: E402
 from kernels import kernel  # noqa: E402, F401  (a fixture: a real kernel over jupyter_client)
 from orphans import children, long_lived_helpers  # noqa: E402
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(tiers.tier(item.module.__name__.rpartition(".")[2]))
+
+
+class UnitTierStartedAProcess(AssertionError):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_starts_no_process(request, monkeypatch):
+    """A test of the unit tier (tests/tiers.py) that starts a process fails, naming the list to fix."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise UnitTierStartedAProcess(
+            f"{request.node.nodeid} started a process: its file belongs to the process tier (tests/tiers.py)")
+
+    for owner, name in ((os, "fork"), (os, "posix_spawn"), (os, "posix_spawnp"),
+                        (subprocess.Popen, "_execute_child"), (multiprocessing.util, "spawnv_passfds")):
+        monkeypatch.setattr(owner, name, refuse)
+    yield
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

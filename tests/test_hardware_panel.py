@@ -145,7 +145,7 @@ def test_plan_notes_are_shown_below_the_preview(monkeypatch):
     real = plan.make_plan
 
     def with_note(**kwargs):
-        return dataclasses.replace(real(**kwargs), notes=("notebook_accel: a note <for you>",))
+        return dataclasses.replace(real(**kwargs), notes=("a note <for you>",))
 
     monkeypatch.setattr(plan, "make_plan", with_note)
     page = parts(hardware_widget())[0].value

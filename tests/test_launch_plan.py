@@ -398,3 +398,19 @@ def test_a_config_with_a_bad_fsdp_value_is_refused_when_read(tmp_path):
     with pytest.raises(config.ConfigError) as info:
         config.load_config(path)
     assert "fsdp_state_dict_type='LOCAL'" in str(info.value) and str(path) in str(info.value)
+
+
+def test_notes_reach_the_sink_as_events_and_a_once_per_process_note_comes_once(monkeypatch):
+    from notebook_accel.launch import launcher
+    from notebook_accel.launch.events import LaunchNotice
+    from notebook_accel.launch.plan import ONCE_PER_PROCESS
+    from notebook_accel.launch.sinks import ListSink
+
+    monkeypatch.setattr(launcher, "_noted", set())
+    once = ONCE_PER_PROCESS[0] + "for this one 2-process job"
+    plan = type("Plan", (), {"notes": ("a note for every launch", once)})()
+    first, second = ListSink(), ListSink()
+    launcher.send_notes(plan, first)
+    launcher.send_notes(plan, second)
+    assert [e.text for e in first.events if isinstance(e, LaunchNotice)] == ["a note for every launch", once]
+    assert [e.text for e in second.events if isinstance(e, LaunchNotice)] == ["a note for every launch"]

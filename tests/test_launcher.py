@@ -562,7 +562,7 @@ def test_two_launches_at_once_without_a_port_both_run(tmp_path):
 
 # -- the fork hang -----------------------------------------------------------------------------
 @pytest.mark.timeout(60)
-def test_default_launch_after_parallel_torch_in_the_parent_completes(monkeypatch, capsys, no_orphans):
+def test_default_launch_after_parallel_torch_in_the_parent_completes(monkeypatch, no_orphans):
     from notebook_accel.launch import plan as plan_module
 
     # Say the machine has 8 cores, so each of 2 ranks would want 4 threads: the case that hangs.
@@ -574,12 +574,11 @@ def test_default_launch_after_parallel_torch_in_the_parent_completes(monkeypatch
         # The parent computes first, as a notebook does: GNU OpenMP's pool now exists here.
         assert float((torch.randn(256, 256) @ torch.randn(256, 256)).abs().sum()) > 0
         assert float(torch.ones(1_000_000).sum()) == 1_000_000
-        results = notebook_launcher(
-            targets.parallel_math, num_processes=2, use_port="auto", sinks=[ListSink()]
-        )
+        sink = ListSink()
+        results = notebook_launcher(targets.parallel_math, num_processes=2, use_port="auto", sinks=[sink])
     finally:
         torch.set_num_threads(before)
     assert results == [(256.0, 1_000_000.0, 1)] * 2  # the ranks computed, on one thread each
-    note = capsys.readouterr().err
+    note = " ".join(e.text for e in sink.events if isinstance(e, LaunchNotice))  # to the sink, not stderr
     assert "1 intra-op thread each, not 4" in note and "start_method='forkserver'" in note
     no_orphans()

@@ -9,7 +9,7 @@ import pytest
 from notebook_accel import hardware
 from notebook_accel.jupyter.hardware_panel import launch_preview
 from notebook_accel.launch.plan import make_plan
-from notebook_accel.utils import imports
+from notebook_accel.utils import imports, packages
 
 PLATFORM_VARS = ("COLAB_RELEASE_TAG", "COLAB_GPU", "COLAB_TPU_ADDR", "KAGGLE_KERNEL_RUN_TYPE", "KAGGLE_URL_BASE",
                  "TPU_NAME", "TPU_ACCELERATOR_TYPE", "PJRT_DEVICE")  # fmt: skip
@@ -41,8 +41,10 @@ def test_kaggle_with_two_gpus_launches_two_ranks_on_nccl(monkeypatch):
 def test_colab_tpu_goes_through_xla(monkeypatch):
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20261101")
     monkeypatch.setenv("COLAB_TPU_ADDR", "10.0.0.2:8470")
-    real_has = imports._has
-    monkeypatch.setattr(imports, "_has", lambda name: name == "torch_xla" or real_has(name))
+    real_has = packages.has_module
+    fake_has = lambda name: name == "torch_xla" or real_has(name)  # noqa: E731
+    monkeypatch.setattr(packages, "has_module", fake_has)
+    monkeypatch.setattr(imports, "_has", fake_has)
     assert hardware.detect_environment() == "colab"
     assert hardware.detect_device_family() == "xla" and hardware.tpu_present()
     plan = make_plan(use_port="auto")

@@ -121,11 +121,11 @@ def kernel_display(monkeypatch):
     import IPython
     import IPython.display
 
-    import notebook_accel.jupyter as jupyter
+    from notebook_accel.jupyter import kernel_env
 
     sent, publisher = [], _Publisher()
     shell = types.SimpleNamespace(display_pub=publisher)
-    monkeypatch.setattr(jupyter, "in_kernel", lambda: True)
+    monkeypatch.setattr(kernel_env, "in_kernel", lambda: True)
     monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
     monkeypatch.setattr(
         IPython.display,

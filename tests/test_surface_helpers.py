@@ -451,7 +451,8 @@ def test_save_with_safetensors_drops_tied_duplicates(tmp_path, caplog):
 
 
 def test_save_and_tqdm_do_nothing_off_the_main_process(tmp_path, monkeypatch):
-    from notebook_accel.utils import main_process, save, tqdm
+    from notebook_accel import main_process
+    from notebook_accel.utils import save, tqdm
 
     monkeypatch.setattr(main_process, "_ranks", lambda: (False, False))
     save({"x": 1}, tmp_path / "nothing.pt")
@@ -555,10 +556,11 @@ def test_align_module_device_loads_offloaded_weights_for_the_block():
 
 
 def test_align_module_device_moves_plain_parameters_there_and_back(monkeypatch):
-    from notebook_accel.utils import align_module_device, modeling
+    from notebook_accel.big_model import align
+    from notebook_accel.utils import align_module_device
 
     moves = []
-    monkeypatch.setattr(modeling, "set_module_tensor_to_device", lambda m, name, device: moves.append((name, str(device))))
+    monkeypatch.setattr(align, "set_module_tensor_to_device", lambda m, name, device: moves.append((name, str(device))))
     layer = torch.nn.Linear(2, 2)  # one CPU here: the moves are recorded, not made
     with align_module_device(layer, execution_device="cuda:1"):
         assert sorted(moves) == [("bias", "cuda:1"), ("weight", "cuda:1")]
@@ -569,13 +571,14 @@ def test_align_module_device_moves_plain_parameters_there_and_back(monkeypatch):
 
 
 def test_get_gpu_info_lists_the_cuda_devices(monkeypatch):
+    from notebook_accel import hardware
     from notebook_accel.device_probes import AcceleratorDevice
-    from notebook_accel.utils import current, get_gpu_info
+    from notebook_accel.utils import get_gpu_info
 
     names, count = get_gpu_info()
-    assert count == len(names) == sum(d.kind == "cuda" for d in current.accelerators())
+    assert count == len(names) == sum(d.kind == "cuda" for d in hardware.accelerators())
     fake = [AcceleratorDevice("cuda", 0, "GPU A"), AcceleratorDevice("xpu", 0, "Other"), AcceleratorDevice("cuda", 1, "GPU B")]
-    monkeypatch.setattr(current, "accelerators", lambda: fake)
+    monkeypatch.setattr(hardware, "accelerators", lambda: fake)
     assert get_gpu_info() == (["GPU A", "GPU B"], 2)
 
 

@@ -174,7 +174,7 @@ def _launch_kwargs(args: argparse.Namespace, config) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from ..launch import ConsoleSink, LaunchConfigError, LaunchFailedError, make_plan
-    from ..launch.launcher import run_plan
+    from ..launch.launcher import run_plan, send_notes
     from ..launch.sinks import Fanout
 
     parser = args.parser
@@ -212,10 +212,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except LaunchConfigError as exc:
         parser.error(str(exc))
-    for note in plan.notes:
-        print(note, file=sys.stderr)
     # A terminal or a pipe takes long lines whole (a rank printing JSON); only a notebook cell cuts them.
     sink = Fanout([ConsoleSink(max_line=None)])
+    send_notes(plan, sink)
     try:
         run_plan(plan, run_script, (target, list(args.training_script_args), args.module), sink)
     except LaunchFailedError as exc:

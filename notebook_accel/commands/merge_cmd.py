@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     out = os.path.abspath(os.path.expanduser(args.output_path))
     problem = _problem(source, out, args.remove_checkpoint_dir)
     if problem is None:
-        from ..utils.dcp_plain import merge_fsdp_weights
+        from ..main_process import merge_fsdp_weights
 
         try:
             path = merge_fsdp_weights(

@@ -5,35 +5,9 @@ IPython and ipywidgets are imported only under this package, and only when used.
 
 from __future__ import annotations
 
-import os
 import sys
 
-WIDGETS_ENV = "NOTEBOOK_ACCEL_WIDGETS"
-
-
-def in_kernel() -> bool:
-    """True inside a Jupyter kernel (ipykernel's shell), where display() reaches a front end."""
-    if "ipykernel" not in sys.modules or "IPython" not in sys.modules:
-        return False
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__)
-
-
-def widgets_enabled() -> bool:
-    """Show widget panels: in a kernel, with ipywidgets installed, unless NOTEBOOK_ACCEL_WIDGETS=0."""
-    if os.environ.get(WIDGETS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    if not in_kernel():
-        return False
-    try:
-        import ipywidgets  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from .kernel_env import WIDGETS_ENV, in_kernel, widgets_enabled  # noqa: F401  (this package's names)
 
 
 def launch_sinks(show_after: float = 0.0):

@@ -4,7 +4,7 @@ When the front end opens a comm, the kernel answers with a hello (hardware repor
 and the config file's launch defaults: {"config": {"file", "num_processes", "mixed_precision"}},
 each null without a config file, so "Run cell on N processes" can default to the config's N);
 then every launch's events go to all open comms through `CommSink`, and every change of the
-kernel's interactive session (start, restart, stop; jupyter/kernel_session.py calls `notify_session`) goes
+kernel's interactive session (start, restart, stop; `notify_session` listens to jupyter/kernel_session.py) goes
 as {"type": "session", "id", "state", "workers", "start_method", "ranks": [{rank, pid, state, device}]}.
 
 A stall (launch/watch.py) goes as the LaunchStalled event with "stall": {"sentence", "stalled",
@@ -52,6 +52,9 @@ def register_comm_target(ipython) -> bool:
     if manager is None:
         return False
     manager.register_target(TARGET, _on_open)
+    from . import kernel_session
+
+    kernel_session.on_change(notify_session)
     # pre/post_run_cell, not pre/post_execute: the comm package fires those around every comm
     # message too (this one's included). Silent executions go uncounted.
     events = getattr(ipython, "events", None)

@@ -84,14 +84,24 @@ class _Stop:
         self.session.interrupt(self.ranks)
 
 
-def _notify(ks: "KernelSession", state: Optional[str] = None) -> None:
-    """Tell the JupyterLab extension's comms (comm.py) that `ks` changed; cheap without any."""
-    try:
-        from . import comm
+# Who hears of a session's changes: the extension's comm (comm.py) adds itself when its target is
+# registered. A list, not an import of comm.py: the comm reads the session, not the other way round.
+_listeners: list = []
 
-        comm.notify_session(ks, state)
-    except Exception:
-        pass
+
+def on_change(listener) -> None:
+    """Call `listener(ks, state)` whenever a session starts, restarts, stops or loses a worker."""
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def _notify(ks: "KernelSession", state: Optional[str] = None) -> None:
+    """Tell the listeners (the JupyterLab extension's comms) that `ks` changed; cheap without any."""
+    for listener in list(_listeners):
+        try:
+            listener(ks, state)
+        except Exception:
+            pass
 
 
 class _Session(Session):

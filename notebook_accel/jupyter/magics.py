@@ -191,7 +191,7 @@ class AccelerateMagics(Magics):
         return getattr(self, f"_cmd_{words[0]}")(words[1:])
 
     def _cmd_hardware(self, rest: list):
-        from . import widgets_enabled
+        from .kernel_env import widgets_enabled
 
         if widgets_enabled():
             from IPython.display import display

@@ -162,7 +162,7 @@ class LaunchPanel(Sink):
             self._flusher.start()
 
     def _display(self) -> None:
-        from . import in_kernel
+        from .kernel_env import in_kernel
 
         if in_kernel():
             first = f"{self.title}: running (each rank's output is saved here when it ends)"

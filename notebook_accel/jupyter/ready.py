@@ -75,7 +75,7 @@ def schedule(shell) -> bool:
 def import_launch_path() -> None:
     import threading
 
-    from . import widgets_enabled
+    from .kernel_env import widgets_enabled
 
     global imported_on
     imported_on = threading.current_thread().name

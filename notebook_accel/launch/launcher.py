@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
+from . import events as ev
 from . import frontend, starters
 from .control import LaunchControl
 from .errors import LaunchFailedError
 from .payload import Payload
-from .plan import ONE_MACHINE, LaunchPlan, default, make_plan
+from .plan import ONCE_PER_PROCESS, ONE_MACHINE, LaunchPlan, default, make_plan
 from .sinks import Fanout
+
+_noted: set = set()  # the once-per-process notes (plan.ONCE_PER_PROCESS) this process has sent
 
 
 def notebook_launcher(
@@ -92,11 +94,10 @@ def notebook_launcher(
         pdb=pdb,
     )
     control = LaunchControl(timeout)
-    for note in plan.notes:
-        print(note, file=sys.stderr)
     sink = Fanout(sinks if sinks is not None else frontend.default_sinks())
     try:
         sink.attach(control)
+        send_notes(plan, sink)
         return run_plan(plan, function, tuple(args), sink, control)
     except LaunchFailedError as exc:
         exc.args = (frontend.label_traceback(exc.args[0]),)  # in a notebook: Cell In[N], as IPython says
@@ -111,6 +112,18 @@ def debug_launcher(function, args=(), num_processes: int = 2) -> list:
     return notebook_launcher(
         function, args, num_processes=num_processes, mixed_precision="no", cpu=True, **ONE_MACHINE
     )
+
+
+def send_notes(plan: LaunchPlan, sink) -> None:
+    """The plan's notes to `sink` as LaunchNotice events (the console sink prints them, the panel
+    shows them); a note a process needs once (plan.ONCE_PER_PROCESS) only the first time."""
+    for note in plan.notes:
+        once = next((start for start in ONCE_PER_PROCESS if note.startswith(start)), None)
+        if once is not None:
+            if once in _noted:
+                continue
+            _noted.add(once)
+        sink.handle(ev.LaunchNotice(note))
 
 
 def run_plan(plan: LaunchPlan, function, args: tuple, sink, control: Optional[LaunchControl] = None) -> list:

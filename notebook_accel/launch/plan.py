@@ -78,7 +78,8 @@ class LaunchPlan:
     fsdp: bool = False  # the ranks build an FSDP plugin from FSDP_* (ACCELERATE_USE_FSDP is true)
     pdb: bool = False  # the first rank to fail stays in pdb, debugged from the launching thread
     port_held: bool = False  # master_port was picked here and is held until the launch ends (ports.py)
-    notes: tuple = ()  # one-line messages the user should see (why a default was changed)
+    notes: tuple = ()  # one-line messages the user should see (why a default was changed); the
+    # launcher sends them to the sinks as LaunchNotice events (launcher.send_notes)
     env: dict = field(default_factory=dict)  # set in every child
 
     @property
@@ -197,7 +198,7 @@ def make_plan(
     if start_method == "fork" and engine == "elastic" and _cuda_initialised():
         start_method = "forkserver"
         notes.append(
-            "notebook_accel: CUDA is already initialised in this process, so the elastic launch starts its "
+            "CUDA is already initialised in this process, so the elastic launch starts its "
             "ranks from a fresh forkserver (start_method='forkserver'): the function and its arguments travel "
             "pickled, not inherited."
         )
@@ -280,9 +281,11 @@ def make_plan(
 # accelerate 1.15 without an accelerator is one process per rank (DistributedType.NO) unless told
 # cpu: AcceleratorState and transformers' TrainingArguments read ACCELERATE_USE_CPU, PartialState does not.
 _USE_CPU_NOTE = (
-    "notebook_accel: ACCELERATE_USE_CPU=1 for the ranks (no accelerator here), so Hugging Face accelerate's "
+    "ACCELERATE_USE_CPU=1 for the ranks (no accelerator here), so Hugging Face accelerate's "
     "Accelerator() and transformers' Trainer in them form one {n}-process job; set ACCELERATE_USE_CPU to choose."
 )
+# Notes a process needs to read once, not at every launch (by the start of their text).
+ONCE_PER_PROCESS = (_USE_CPU_NOTE.split("{", 1)[0],)
 
 
 def choose_engine(family: Optional[str], num_nodes: int, max_restarts: int, rdzv_backend: str) -> str:
@@ -320,7 +323,7 @@ def _default_num_processes(devices: int, engine: str, notes: list) -> int:
     if engine == "xla":
         return 1
     notes.append(
-        "notebook_accel: no accelerator and no num_processes (argument or config), so num_processes=1; pass "
+        "no accelerator and no num_processes (argument or config), so num_processes=1; pass "
         "num_processes=N to run N CPU ranks."
     )
     return 1
@@ -353,7 +356,7 @@ def _with_config(config_file, notes: list, given: dict) -> tuple:
         f"{k}={v!r}" for k, v in taken.items() if v != values[k] and not (values[k] is None and v is False)
     ]
     if shown:
-        notes.append(f"notebook_accel: from {config.path}: {', '.join(shown)}")
+        notes.append(f"from {config.path}: {', '.join(shown)}")
     values.update(taken)
     return values, config.launch_env(), config
 
@@ -501,7 +504,7 @@ def _threads_per_process(num_processes: int, start_method: str, notes: list) -> 
         wanted = max(1, _physical_cores() // num_processes)
     if start_method == "fork" and wanted > 1 and _parent_may_have_omp_pool():
         notes.append(
-            f"notebook_accel: forked ranks use 1 intra-op thread each, not {wanted}: GNU OpenMP hangs in "
+            f"forked ranks use 1 intra-op thread each, not {wanted}: GNU OpenMP hangs in "
             "children forked after this process ran a parallel torch op. start_method='forkserver' starts "
             f"about as fast and gives each rank {wanted} threads."
         )
@@ -566,7 +569,7 @@ def launch_preview() -> Preview:
         how = "num_processes=N" if family in (None, "mps") else "num_processes=N, cpu=True"
         kind_many = "FSDP" if plan.fsdp else str(many.distributed_type)
         rows.append((f"With {how}", f"{kind_many} on {many.backend}, N CPU processes"))
-    return Preview(rows, [note.removeprefix("notebook_accel: ") for note in plan.notes], None)
+    return Preview(rows, list(plan.notes), None)
 
 
 def fsdp_summary(plan: LaunchPlan) -> str:

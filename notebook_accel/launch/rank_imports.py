@@ -49,7 +49,7 @@ def import_all(respect_opt_out: bool = True, blocking: bool = True) -> list:
     imports it again and says what failed."""
     global _tried
     if respect_opt_out:
-        from .prewarm import wanted
+        from .prewarm_setting import wanted
 
         if not wanted():
             return done
@@ -58,9 +58,10 @@ def import_all(respect_opt_out: bool = True, blocking: bool = True) -> list:
     try:
         if _tried:
             return done
+        present = set(sys.modules)  # a name imported by an earlier one's import is still this call's
         for name in names():
             began = time.perf_counter()
-            fresh = name not in sys.modules
+            fresh = name not in present
             try:
                 importlib.import_module(name)  # waits for another thread's import of it, unlike a look
             except Exception:  # noqa: BLE001 - see the docstring

@@ -99,7 +99,9 @@ class Session:
         """Start the workers; returns once every one is connected and has said hello."""
         if self._pool is not None:
             raise SessionError("the session is already started; call restart() to start it afresh")
+        from ..launch.launcher import send_notes
         from ..launch.plan import ONE_MACHINE, default, make_plan
+        from ..launch.sinks import ConsoleSink
 
         plan = make_plan(
             num_processes=self.num_processes,
@@ -113,8 +115,7 @@ class Session:
         )
         if plan.engine != "local":
             raise SessionError(f"interactive sessions need local processes, not the {plan.engine} engine")
-        for note in plan.notes:
-            print(note, file=sys.stderr)
+        send_notes(plan, ConsoleSink())  # the console's words, once-per-process notes once
         pool = WorkerPool(lambda *line: self.on_output(*line))
         pool.open(plan, timeout)
         self._pool = pool

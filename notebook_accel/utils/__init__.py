@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import imports as _imports
 from .dataclasses import (  # noqa: F401
     AutocastKwargs,
     ComputeEnvironment,
@@ -20,8 +21,6 @@ from .dataclasses import (  # noqa: F401
     RNGType,
     TorchDynamoPlugin,
 )
-from .imports import *  # noqa: F401,F403
-from .imports import __dict__ as _imports_dict
 from .lazy import lazy_exports
 
 _EXPORTS = {
@@ -51,7 +50,6 @@ _EXPORTS = {
     },
     # random
     "find_checkpoint": "checkpoint_files",
-    "merge_fsdp_weights": "dcp_plain",
     **{
         name: "fsdp_plugin"
         for name in ("enable_fsdp_ram_efficient_loading", "disable_fsdp_ram_efficient_loading", "model_has_dtensor")
@@ -101,11 +99,10 @@ __all__ = sorted(
         "RNGType",
         "TorchDynamoPlugin",
     ]
-    + [n for n in _imports_dict if n.startswith("is_")]
+    + list(_imports.__all__)
 )
-
-
-__getattr__ = lazy_exports(globals(), _EXPORTS)
+# The probes load on first use: the few that ask the machine's devices import hardware.py.
+_EXPORTS.update({name: "imports" for name in _imports.__all__})
 
 
 # -- accelerate's other public helper names (the public-surface test lists them) ---------------------
@@ -140,6 +137,7 @@ _SURFACE = {
             "load_offloaded_weights",
             "load_state_dict",
             "named_module_tensors",
+            "align_module_device",
             "retie_parameters",
             "set_module_tensor_to_device",
         )
@@ -184,13 +182,11 @@ _SURFACE = {
             "get_mixed_precision_context_manager",
             "extract_model_from_parallel",
             "compile_regions",
-            "align_module_device",
             "get_gpu_info",
             "load",
         )
     },
-    **{name: "main_process" for name in ("save", "tqdm", "clean_state_dict_for_safetensors")},
-    "calculate_maximum_sizes": "device_map",
+    "calculate_maximum_sizes": "modeling",
     **{
         name: "env_flags"
         for name in (
@@ -207,4 +203,17 @@ _SURFACE = {
     },
 }
 _EXPORTS.update(_SURFACE)
-__all__ = sorted(set(__all__) | set(_SURFACE))
+# Work done once on the main process asks the PartialState: it lives above the floor, in
+# notebook_accel/main_process.py, and is exported here (accelerate's path) on first use.
+_MAIN_PROCESS = ("save", "tqdm", "clean_state_dict_for_safetensors", "merge_fsdp_weights")
+__all__ = sorted(set(__all__) | set(_SURFACE) | set(_MAIN_PROCESS))
+_siblings = lazy_exports(globals(), _EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _MAIN_PROCESS:
+        from .. import main_process
+
+        value = globals()[name] = getattr(main_process, name)
+        return value
+    return _siblings(name)

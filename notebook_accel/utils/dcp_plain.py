@@ -1,4 +1,4 @@
-"""Reading `torch.distributed.checkpoint` folders as plain data, and `merge_fsdp_weights`.
+"""Reading `torch.distributed.checkpoint` folders as plain data, and merging one into a weights file.
 
 torch writes a checkpoint's `.metadata` with pickle and reads it with plain pickle, and loads its
 non-tensor items with `torch.load(weights_only=False)`: either runs code a tampered file names.
@@ -113,19 +113,17 @@ def one_process_quietly():
         yield
 
 
-def merge_fsdp_weights(
+def merge_folder(
     checkpoint_dir: str,
     output_path: str,
     safe_serialization: bool = True,
     remove_checkpoint_dir: bool = False,
+    write: bool = True,
 ) -> str:
-    """The full weights of a sharded checkpoint folder (`.../pytorch_model_fsdp_0`, as save_state writes
-    with SHARDED_STATE_DICT) in one file: `{output_path}/model.safetensors` (`pytorch_model.bin` without
-    safe_serialization). Runs in one process, on CPU, reading the folder as plain data; in a run of
-    several processes the main process merges and the others wait. Returns the file written."""
+    """The body of `merge_fsdp_weights` (main_process.py), for one process: check that `checkpoint_dir`
+    is a torch.distributed.checkpoint folder, and with `write` merge its weights into one file in
+    `output_path` (removing the folder with `remove_checkpoint_dir`). Returns the file's path."""
     import shutil
-
-    from .current import current_state
 
     checkpoint_dir = os.fspath(checkpoint_dir)
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
@@ -144,8 +142,7 @@ def merge_fsdp_weights(
         )
     name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     path = os.path.join(output_path, name)
-    shared = current_state()
-    if shared is None or shared.is_main_process:
+    if write:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -172,6 +169,4 @@ def merge_fsdp_weights(
             torch.save(tensors, path)
         if remove_checkpoint_dir:
             shutil.rmtree(checkpoint_dir)
-    if shared is not None:
-        shared.wait_for_everyone()
     return path

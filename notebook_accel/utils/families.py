@@ -10,10 +10,12 @@ first family present wins (tests/test_families.py checks nobody else lists famil
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .dataclasses import DistributedType
+from . import packages
+from .enums import DistributedType
 
 
 @dataclass(frozen=True)
@@ -38,23 +40,21 @@ class Family:
 
     def is_available(self) -> bool:
         """A device of this family can be used here. Never initialises CUDA."""
-        from . import imports
-
         if self.name == "xla":
-            return imports.is_torch_xla_available(check_is_tpu=True)
+            return packages.has_module("torch_xla") and packages.tpu_runtime(os.environ)
         if self.name == "neuron":
-            return imports._has("torch_neuronx")
-        if not imports.is_torch_available():
+            return packages.has_module("torch_neuronx")
+        if not packages.has_module("torch"):
             return False
         if self.name == "cuda":
-            return imports._fork_safe_cuda_count() > 0
+            return packages.fork_safe_cuda_count() > 0
         if self.name == "mps":
             import torch
 
             return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
         if self.plugin is not None:
             # Vendor plugins (torch_npu, torch_mlu, ...) register torch.<name> when imported.
-            if not imports._has(self.plugin):
+            if not packages.has_module(self.plugin):
                 return False
             try:
                 importlib.import_module(self.plugin)

@@ -6,51 +6,65 @@ the parent of a fork must stay fork-safe after asking what is here.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
-import importlib.util
 import os
 import sys
 from typing import Optional
 
-from . import current, families
-
-
-@functools.lru_cache(maxsize=None)
-def _has(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+from . import families
+from .packages import at_least as _at_least
+from .packages import fork_safe_cuda_count as _fork_safe_cuda_count
+from .packages import has_module as _has
+from .packages import installed_version, tpu_runtime  # noqa: F401  (importable from here, as before)
 
 
 # Optional packages: each probe looks for one of its modules without importing it.
-_PACKAGES = {
-    "torch": ("torch",),
-    "cloudpickle": ("cloudpickle",),
-    "safetensors": ("safetensors",),
-    "psutil": ("psutil",),
-    "yaml": ("yaml",),
-    "ipython": ("IPython",),
-    "ipywidgets": ("ipywidgets",),
-    "tensorboard": ("tensorboard", "tensorboardX"),
-    "wandb": ("wandb",),
-    "transformer_engine": ("transformer_engine",),
-    "deepspeed": ("deepspeed",),
-    "ccl": ("oneccl_bindings_for_pytorch", "torch_ccl"),
-}
+def is_torch_available() -> bool:
+    return _has("torch")
 
 
-def _probe(name: str, check):
-    def probe() -> bool:
-        return check()
-
-    probe.__name__ = probe.__qualname__ = f"is_{name}_available"
-    return probe
+def is_cloudpickle_available() -> bool:
+    return _has("cloudpickle")
 
 
-for _name, _modules in _PACKAGES.items():
-    globals()[f"is_{_name}_available"] = _probe(_name, lambda modules=_modules: any(map(_has, modules)))
+def is_safetensors_available() -> bool:
+    return _has("safetensors")
+
+
+def is_psutil_available() -> bool:
+    return _has("psutil")
+
+
+def is_yaml_available() -> bool:
+    return _has("yaml")
+
+
+def is_ipython_available() -> bool:
+    return _has("IPython")
+
+
+def is_ipywidgets_available() -> bool:
+    return _has("ipywidgets")
+
+
+def is_tensorboard_available() -> bool:
+    return any(map(_has, ("tensorboard", "tensorboardX")))
+
+
+def is_wandb_available() -> bool:
+    return _has("wandb")
+
+
+def is_transformer_engine_available() -> bool:
+    return _has("transformer_engine")
+
+
+def is_deepspeed_available() -> bool:
+    return _has("deepspeed")
+
+
+def is_ccl_available() -> bool:
+    return any(map(_has, ("oneccl_bindings_for_pytorch", "torch_ccl")))
 
 
 def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = False) -> bool:
@@ -64,26 +78,8 @@ def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = Fals
     return True
 
 
-def tpu_runtime(env) -> bool:
-    """The runtime's variables in `env` say this host drives a TPU."""
-    if env.get("PJRT_DEVICE", "").upper() == "TPU":
-        return True
-    return any(env.get(k) for k in ("TPU_NAME", "COLAB_TPU_ADDR", "TPU_ACCELERATOR_TYPE"))
-
-
 def is_tpu_available(check_device: bool = True) -> bool:
     return is_torch_xla_available(check_is_tpu=True)
-
-
-def _fork_safe_cuda_count() -> int:
-    import torch
-
-    # NVML-based counting leaves CUDA uninitialised, so a later fork stays safe.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    try:
-        return int(torch.cuda.device_count())
-    except Exception:
-        return 0
 
 
 def is_mpi_available() -> bool:
@@ -92,76 +88,118 @@ def is_mpi_available() -> bool:
     return dist.is_available() and dist.is_mpi_available()
 
 
-def is_bf16_available(ignore_tpu: bool = False) -> bool:
-    """bf16 works here: always on CPU (emulated where no native support); on CUDA, compute >= 8.0."""
-    if is_tpu_available() and not ignore_tpu:
-        return True
-    if families.family("cuda").is_available():
-        return all(d.supports_bf16 for d in current.accelerators())
-    return True
-
-
-def is_fp8_available() -> bool:
-    if not any(map(_has, _PACKAGES["transformer_engine"] + ("torchao",))):
-        return False
-    if not families.family("cuda").is_available():
-        return False
-    return any(d.supports_fp8 for d in current.accelerators())
-
-
-def check_cuda_fp8_capability() -> bool:
-    """Whether the first CUDA GPU can compute in fp8 (compute capability 8.9 or later), read through NVML
-    without initialising CUDA; False where there is no CUDA GPU (accelerate raises there)."""
-    if not families.family("cuda").is_available():
-        return False
-    found = [d for d in current.accelerators() if d.kind == "cuda"]
-    return bool(found) and found[0].supports_fp8
-
-
 # accelerate's other probes. A package counts when its module is found *and* its distribution is
 # installed (a stray folder named like a package is not the package); where accelerate needs a
 # minimum version, the installed version is compared. Nothing here imports the package.
-_DISTRIBUTIONS = {  # probe name -> (module, distribution names, minimum version or None)
-    "aim": ("aim", ("aim",), None),
-    "amdsmi": ("amdsmi", ("amdsmi",), None),
-    "boto3": ("boto3", ("boto3",), None),
-    "clearml": ("clearml", ("clearml",), None),
-    "comet_ml": ("comet_ml", ("comet_ml", "comet-ml"), None),
-    "datasets": ("datasets", ("datasets",), None),
-    "dvclive": ("dvclive", ("dvclive",), None),
-    "import_timer": ("import_timer", ("import_timer", "import-timer"), None),
-    "lomo": ("lomo_optim", ("lomo_optim", "lomo-optim"), None),
-    "matplotlib": ("matplotlib", ("matplotlib",), None),
-    "msamp": ("msamp", ("msamp", "ms-amp"), None),
-    "pandas": ("pandas", ("pandas",), None),
-    "peft": ("peft", ("peft",), None),
-    "pynvml": ("pynvml", ("pynvml", "nvidia-ml-py"), None),
-    "pytest": ("pytest", ("pytest",), None),
-    "sagemaker": ("sagemaker", ("sagemaker",), None),
-    "schedulefree": ("schedulefree", ("schedulefree",), None),
-    "swanlab": ("swanlab", ("swanlab",), None),
-    "timm": ("timm", ("timm",), None),
-    "torchdata": ("torchdata", ("torchdata",), None),
-    "torchdata_stateful_dataloader": ("torchdata", ("torchdata",), "0.8.0"),
-    "torchvision": ("torchvision", ("torchvision",), None),
-    "transformers": ("transformers", ("transformers",), None),
-    "triton": ("triton", ("triton", "pytorch-triton", "triton-xpu"), None),
-    "4bit_bnb": ("bitsandbytes", ("bitsandbytes",), "0.39.0"),
-    "8bit_bnb": ("bitsandbytes", ("bitsandbytes",), "0.37.2"),
-    "tqdm": ("tqdm", ("tqdm",), None),
-}
+def is_aim_available() -> bool:
+    return installed_version("aim", ("aim",)) is not None
 
 
-def installed_version(module: str, distributions) -> Optional[str]:
-    """The version of the first of `distributions` installed, when `module` can be found; else None."""
-    if not _has(module):
-        return None
-    for name in distributions:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+def is_amdsmi_available() -> bool:
+    return installed_version("amdsmi", ("amdsmi",)) is not None
+
+
+def is_boto3_available() -> bool:
+    return installed_version("boto3", ("boto3",)) is not None
+
+
+def is_clearml_available() -> bool:
+    return installed_version("clearml", ("clearml",)) is not None
+
+
+def is_comet_ml_available() -> bool:
+    return installed_version("comet_ml", ("comet_ml", "comet-ml")) is not None
+
+
+def is_datasets_available() -> bool:
+    return installed_version("datasets", ("datasets",)) is not None
+
+
+def is_dvclive_available() -> bool:
+    return installed_version("dvclive", ("dvclive",)) is not None
+
+
+def is_import_timer_available() -> bool:
+    return installed_version("import_timer", ("import_timer", "import-timer")) is not None
+
+
+def is_lomo_available() -> bool:
+    return installed_version("lomo_optim", ("lomo_optim", "lomo-optim")) is not None
+
+
+def is_matplotlib_available() -> bool:
+    return installed_version("matplotlib", ("matplotlib",)) is not None
+
+
+def is_msamp_available() -> bool:
+    return installed_version("msamp", ("msamp", "ms-amp")) is not None
+
+
+def is_pandas_available() -> bool:
+    return installed_version("pandas", ("pandas",)) is not None
+
+
+def is_peft_available() -> bool:
+    return installed_version("peft", ("peft",)) is not None
+
+
+def is_pynvml_available() -> bool:
+    return installed_version("pynvml", ("pynvml", "nvidia-ml-py")) is not None
+
+
+def is_pytest_available() -> bool:
+    return installed_version("pytest", ("pytest",)) is not None
+
+
+def is_sagemaker_available() -> bool:
+    return installed_version("sagemaker", ("sagemaker",)) is not None
+
+
+def is_schedulefree_available() -> bool:
+    return installed_version("schedulefree", ("schedulefree",)) is not None
+
+
+def is_swanlab_available() -> bool:
+    return installed_version("swanlab", ("swanlab",)) is not None
+
+
+def is_timm_available() -> bool:
+    return installed_version("timm", ("timm",)) is not None
+
+
+def is_torchdata_available() -> bool:
+    return installed_version("torchdata", ("torchdata",)) is not None
+
+
+def is_torchdata_stateful_dataloader_available() -> bool:
+    found = installed_version("torchdata", ("torchdata",))
+    return found is not None and _at_least(found, "0.8.0")
+
+
+def is_torchvision_available() -> bool:
+    return installed_version("torchvision", ("torchvision",)) is not None
+
+
+def is_transformers_available() -> bool:
+    return installed_version("transformers", ("transformers",)) is not None
+
+
+def is_triton_available() -> bool:
+    return installed_version("triton", ("triton", "pytorch-triton", "triton-xpu")) is not None
+
+
+def is_4bit_bnb_available() -> bool:
+    found = installed_version("bitsandbytes", ("bitsandbytes",))
+    return found is not None and _at_least(found, "0.39.0")
+
+
+def is_8bit_bnb_available() -> bool:
+    found = installed_version("bitsandbytes", ("bitsandbytes",))
+    return found is not None and _at_least(found, "0.37.2")
+
+
+def is_tqdm_available() -> bool:
+    return installed_version("tqdm", ("tqdm",)) is not None
 
 
 def is_numpy_available(min_version: str = "1.25.0") -> bool:
@@ -178,27 +216,6 @@ def hf_accelerate_installed() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
-
-
-def _distribution_probe(name: str, module: str, distributions, minimum: Optional[str]):
-    def probe() -> bool:
-        found = installed_version(module, distributions)
-        if found is None:
-            return False
-        return minimum is None or _at_least(found, minimum)
-
-    probe.__name__ = probe.__qualname__ = f"is_{name}_available"
-    return probe
-
-
-def _at_least(version: str, minimum: str) -> bool:
-    from torch.torch_version import TorchVersion  # PEP 440 comparison, as torch ships it
-
-    return TorchVersion(version) >= minimum
-
-
-for _name, (_module, _dists, _minimum) in _DISTRIBUTIONS.items():
-    globals()[f"is_{_name}_available"] = _distribution_probe(_name, _module, _dists, _minimum)
 
 
 def is_bnb_available(min_version: Optional[str] = None) -> bool:
@@ -345,4 +362,18 @@ def is_mps_available(min_version: str = "1.12") -> bool:
 
     return _at_least(torch.__version__, min_version) and families.family("mps").is_available()
 
-__all__ = sorted(name for name in globals() if name.startswith("is_")) + ["check_cuda_fp8_capability"]
+
+# These ask this machine's devices, which hardware.py knows, above the floor: accelerate's path
+# keeps them here, imported on first use (hardware imports this floor).
+_MACHINE_PROBES = ("is_bf16_available", "is_fp8_available", "check_cuda_fp8_capability")
+
+
+def __getattr__(name: str):
+    if name in _MACHINE_PROBES:
+        from .. import hardware
+
+        return getattr(hardware, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted([name for name in globals() if name.startswith("is_")] + list(_MACHINE_PROBES))

@@ -3,7 +3,6 @@ utilities, a port probe."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import socket
 import types
@@ -11,16 +10,11 @@ from typing import Optional
 
 import torch
 
-from .current import current_accelerator_state, current_state
-from .dataclasses import AutocastKwargs
+from ..autocast import get_grad_scaler, get_mixed_precision_context_manager  # noqa: F401
+from ..collectives import wait_for_everyone  # noqa: F401
+from ..hardware import get_gpu_info  # noqa: F401
+from . import families
 from .imports import is_peft_available
-
-
-def wait_for_everyone() -> None:
-    """Barrier across all processes (`PartialState().wait_for_everyone()`); a no-op alone."""
-    state = current_state()
-    if state is not None:
-        state.wait_for_everyone()
 
 
 def is_port_in_use(port: Optional[int] = None) -> bool:
@@ -103,23 +97,6 @@ def is_peft_model(model) -> bool:
     return isinstance(inner, PeftModel)
 
 
-def get_current_device_type() -> tuple:
-    """(device type, distributed type) of the first accelerator family present, found without
-    initialising a device; ("cpu", "MULTI_CPU") on a machine with none (accelerate says "cuda" there)."""
-    from . import families
-
-    for family in families.FAMILIES:
-        if family.distributed_type is None or family.name == "xla":
-            continue
-        try:
-            present = family.is_available()
-        except Exception:
-            present = False
-        if present:
-            return family.name, str(family.distributed_type)
-    return "cpu", "MULTI_CPU"
-
-
 def has_compiled_regions(module: torch.nn.Module) -> bool:
     """Some submodule of `module` (or `module` itself, when it has children) is a torch.compile result."""
     if not module._modules:
@@ -192,17 +169,19 @@ def check_tied_parameters_in_config(model: torch.nn.Module) -> bool:
     return word_embeddings or encoder_decoder or any(hasattr(m, "_tie_weights") for m in model.modules())
 
 
-def get_grad_scaler(distributed_type=None, **kwargs):
-    """A torch.amp.GradScaler for this process's device type (its PartialState's device, else the
-    accelerator family present, else the CPU); `kwargs` go to the scaler."""
-    if str(distributed_type) == "FSDP":
-        raise NotImplementedError("FSDP's sharded grad scaler: notebook_accel trains with DDP, not FSDP")
-    state = current_state()
-    if state is not None:
-        device_type = state.device.type
-    else:
-        device_type, _ = get_current_device_type()
-    return torch.amp.GradScaler(device_type, **kwargs)
+def get_current_device_type() -> tuple:
+    """(device type, distributed type) of the first accelerator family present, found without
+    initialising a device; ("cpu", "MULTI_CPU") on a machine with none (accelerate says "cuda" there)."""
+    for family in families.FAMILIES:
+        if family.distributed_type is None or family.name == "xla":
+            continue
+        try:
+            present = family.is_available()
+        except Exception:
+            present = False
+        if present:
+            return family.name, str(family.distributed_type)
+    return "cpu", "MULTI_CPU"
 
 
 _PARALLEL_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
@@ -269,28 +248,6 @@ def _compiled_around(compiled, inner: torch.nn.Module) -> torch.nn.Module:
     return inner
 
 
-_AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
-
-
-def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwargs=None):
-    """With `native_amp`, torch.autocast on the AcceleratorState's device type in its mixed
-    precision: float16 for "fp16", bfloat16 for "bf16" and "fp8", torch's default for the device
-    with "no" (as accelerate); without it, a null context. `autocast_kwargs` is an AutocastKwargs."""
-    if autocast_kwargs is None:
-        kwargs = {}
-    elif isinstance(autocast_kwargs, AutocastKwargs):
-        kwargs = autocast_kwargs.to_kwargs()
-    else:
-        raise TypeError(f"autocast_kwargs must be an AutocastKwargs or None, got {autocast_kwargs!r}.")
-    if not native_amp:
-        return contextlib.nullcontext()
-    state = current_accelerator_state()
-    dtype = _AUTOCAST_DTYPES.get(state.mixed_precision)
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    return torch.autocast(device_type=state.device.type, **kwargs)
-
-
 def _is_repeated_blocks(module: torch.nn.Module) -> bool:
     return (
         isinstance(module, torch.nn.ModuleList) and len(module) > 0 and all(type(m) is type(module[0]) for m in module)
@@ -322,52 +279,6 @@ def compile_regions(module: torch.nn.Module, **compile_kwargs) -> torch.nn.Modul
     compiled = _compile_regions(module, compile_kwargs)
     compiled.__dict__.setdefault("_orig_mod", module)
     return compiled
-
-
-@contextlib.contextmanager
-def align_module_device(module: torch.nn.Module, execution_device=None):
-    """Inside, `module`'s own parameters are on one device: an offloading hook loads them (onto
-    `execution_device` if given) and offloads them again after; otherwise, with `execution_device`,
-    they are moved there and back. Without either, nothing moves."""
-    from .modeling import set_module_tensor_to_device
-
-    if has_offloaded_params(module):
-        hook = module._hf_hook
-        hooks = getattr(hook, "hooks", [hook])
-        previous = [h.execution_device for h in hooks]
-        if execution_device is not None:
-            for h in hooks:
-                h.execution_device = execution_device
-        try:
-            hook.pre_forward(module)
-            yield
-        finally:
-            hook.post_forward(module, None)
-            for h, device in zip(hooks, previous):
-                h.execution_device = device
-            from .prefetch import give_room_back
-
-            give_room_back()  # its lookups may have made room for reads ahead (prefetch.make_room)
-    elif execution_device is not None:
-        devices = {name: p.device for name, p in module.named_parameters(recurse=False)}
-        try:
-            for name in devices:
-                set_module_tensor_to_device(module, name, execution_device)
-            yield
-        finally:
-            for name, device in devices.items():
-                set_module_tensor_to_device(module, name, device)
-    else:
-        yield
-
-
-def get_gpu_info() -> tuple:
-    """(names, count) of the CUDA GPUs this process can use, found without initialising CUDA
-    (accelerate asks nvidia-smi); ([], 0) where there are none."""
-    from . import current
-
-    names = [device.name for device in current.accelerators() if device.kind == "cuda"]
-    return names, len(names)
 
 
 def _numpy_globals() -> list:

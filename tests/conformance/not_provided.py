@@ -204,7 +204,7 @@ GROUPS = {
         ],
     ),
     "device_map_internals": (
-        "steps inside accelerate's device-map planner and offload reader (notebook_accel's planner, utils/device_map.py, is its own)",
+        "steps inside accelerate's device-map planner and offload reader (notebook_accel's planner, big_model/planner.py, is its own)",
         [
             "utils.modeling.fallback_allocate",
             "utils.modeling.get_module_leaves",

@@ -6,6 +6,8 @@ The conformance run and the public-surface test read their material from it: the
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
@@ -24,8 +26,21 @@ def cache_dir() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _alone():
+    """One process at a time fetches or unpacks (test processes run side by side under xdist)."""
+    with open(cache_dir() / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def wheel_path() -> Path:
     """The wheel, downloaded once (`pip download accelerate==1.15.0 --no-deps`)."""
+    with _alone():
+        return _wheel_path()
+
+
+def _wheel_path() -> Path:
     folder = cache_dir()
     found = sorted(folder.glob(f"accelerate-{VERSION}-*.whl"))
     if found:
@@ -49,9 +64,12 @@ def unpacked() -> Path:
     target = cache_dir() / f"accelerate-{VERSION}"
     done = target / ".unpacked"
     if not done.exists():
-        with zipfile.ZipFile(wheel_path()) as archive:
-            archive.extractall(target)
-        done.touch()
+        wheel = wheel_path()
+        with _alone():
+            if not done.exists():
+                with zipfile.ZipFile(wheel) as archive:
+                    archive.extractall(target)
+                done.touch()
     return target
 
 
@@ -73,11 +91,18 @@ def source(module: str) -> Path:
 def sdist_tests() -> Path:
     """The root of accelerate 1.15.0's source distribution with its `tests/` folder (the unit tests ship
     only there), downloaded once (`pip download --no-binary :all:`) and unpacked once."""
+    target = cache_dir() / f"accelerate-{VERSION}-sdist"
+    if not (target / ".unpacked").exists():
+        with _alone():
+            _fetch_sdist(target)
+    return target / f"accelerate-{VERSION}"
+
+
+def _fetch_sdist(target: Path) -> None:
     folder = cache_dir()
-    target = folder / f"accelerate-{VERSION}-sdist"
     done = target / ".unpacked"
     if done.exists():
-        return target / f"accelerate-{VERSION}"
+        return
     archive = folder / f"accelerate-{VERSION}.tar.gz"
     if not archive.exists():
         result = subprocess.run(
@@ -95,4 +120,3 @@ def sdist_tests() -> Path:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
         tar.extractall(target, members=members, filter="data")
     done.touch()
-    return target / f"accelerate-{VERSION}"

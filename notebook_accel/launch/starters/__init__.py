@@ -3,31 +3,59 @@
 Every starter is called the same way, `run(plan, payload, sink, control) -> list` (one result per
 local rank), and reports through the sink the events of events.py. Which one runs is a pure
 function of the plan: `starter_for(plan)`. Adding a starter: a module here with a `run` of that
-signature, and a line in `starter_for`.
+signature, a loader and a row in `STARTERS`, and a line in `starter_for`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 PORT_RETRIES = 2  # a picked port that another program took before rank 0 bound it: pick again, twice
 
 
+# Each starter is imported when a plan first needs it: elastic's and xla's imports are costly, and
+# a kernel that never launches should not pay for them.
+def _xla():
+    from . import xla
+
+    return xla
+
+
+def _elastic():
+    from . import elastic
+
+    return elastic
+
+
+def _here():
+    from . import here
+
+    return here
+
+
+def _local():
+    from . import local
+
+    return local
+
+
+STARTERS = {"xla": _xla, "elastic": _elastic, "here": _here, "local": _local}
+
+
+def starter_name(plan) -> str:
+    """Which starter runs `plan`: xla (xmp.spawn on a TPU host), elastic (torch's agent for several
+    nodes, restarts or a dynamic rendezvous), here (one process, in the caller, unless gpu_ids chose
+    its device or pdb is on), or local (fork / spawn / forkserver, watched by our own monitor)."""
+    if plan.engine in ("xla", "elastic"):
+        return plan.engine
+    if plan.num_processes == 1 and plan.num_nodes == 1 and not plan.chooses_devices and not plan.pdb:
+        return "here"
+    return "local"
+
+
 def starter_for(plan):
-    """The module that starts `plan`: xla (xmp.spawn on a TPU host), elastic (torch's agent for
-    several nodes, restarts or a dynamic rendezvous), here (one process, in the caller,
-    unless gpu_ids chose its device or pdb is on), or local
-    (fork / spawn / forkserver, watched by our own monitor)."""
-    if plan.engine == "xla":
-        name = "xla"
-    elif plan.engine == "elastic":
-        name = "elastic"
-    elif plan.num_processes == 1 and plan.num_nodes == 1 and not plan.chooses_devices and not plan.pdb:
-        name = "here"
-    else:
-        name = "local"
-    return importlib.import_module(f".{name}", __name__)
+    """The starter module (one `run`) for `plan`, from the table."""
+    return STARTERS[starter_name(plan)]()
 
 
 def run(plan, payload, sink, control) -> list:

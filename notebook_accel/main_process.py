@@ -1,5 +1,7 @@
-"""Saving and progress bars done once, on the main process: `save`, `tqdm`, and
-`clean_state_dict_for_safetensors` (safetensors refuses tensors that share memory)."""
+"""Work done once, on the main process, while the others skip or wait: `save`, `tqdm`,
+`merge_fsdp_weights`, and `clean_state_dict_for_safetensors` (safetensors refuses tensors that share
+memory). Which process is the main one is the PartialState's to say, so this sits above state.py;
+`notebook_accel.utils` exports these names, as accelerate's does."""
 
 from __future__ import annotations
 
@@ -8,16 +10,15 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from .current import current_state
-from .imports import is_tqdm_available
-from .other import id_tensor_storage
+from .state import PartialState
+from .utils.dcp_plain import merge_folder
+from .utils.imports import is_tqdm_available
+from .utils.other import id_tensor_storage
 
 
 def _ranks() -> tuple:
     """(is main process, is local main process); both True in a lone process."""
-    state = current_state()
-    if state is None:
-        return True, True
+    state = PartialState()
     return state.is_main_process, state.is_local_main_process
 
 
@@ -74,3 +75,21 @@ def tqdm(*args, main_process_only: bool = True, **kwargs):
     if main_process_only and not disable:
         disable = not _ranks()[1]
     return _tqdm(*args, disable=disable, **kwargs)
+
+
+def merge_fsdp_weights(
+    checkpoint_dir: str,
+    output_path: str,
+    safe_serialization: bool = True,
+    remove_checkpoint_dir: bool = False,
+) -> str:
+    """The full weights of a sharded checkpoint folder (`.../pytorch_model_fsdp_0`, as save_state writes
+    with SHARDED_STATE_DICT) in one file: `{output_path}/model.safetensors` (`pytorch_model.bin` without
+    safe_serialization). Runs in one process, on CPU, reading the folder as plain data; in a run of
+    several processes the main process merges and the others wait. Returns the file written."""
+    state = PartialState()
+    path = merge_folder(
+        checkpoint_dir, output_path, safe_serialization, remove_checkpoint_dir, write=state.is_main_process
+    )
+    state.wait_for_everyone()
+    return path

@@ -71,6 +71,7 @@ def test_the_alias_is_notebook_accel_itself(tmp_path):
     ]
 
 
+@pytest.mark.alone  # accelerate's test_free_memory... compares the machine's free RAM before and after
 @pytest.mark.timeout(1200)
 def test_accelerate_unit_tests_pass():
     outcome = units.run()

@@ -11,6 +11,7 @@ monitor ends a launch whose group can no longer form (launch/monitor.py).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import time
@@ -153,4 +154,13 @@ def keep(group) -> None:
     freeing the group holds while it joins the worker. Scripts end that way: destroy_process_group(),
     then the DDP models, the group's other holders, are dropped (accelerate's test_sync main())."""
     global _kept_group
+    if _kept_group is None and group is not None:
+        atexit.register(_let_go)
     _kept_group = group
+
+
+def _let_go() -> None:
+    # At exit, while the interpreter is whole: a group first freed during its teardown aborts the
+    # process ("terminate called without an active exception": gloo's threads outlive their owner).
+    global _kept_group
+    _kept_group = None

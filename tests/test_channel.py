@@ -165,6 +165,7 @@ print(json.dumps({"checks": checks, "peak_added": peak, "result_bytes": 2 * (100
 """
 
 
+@pytest.mark.alone  # its peak memory grew by a copy when a parallel test process shared the 2 cores
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_a_large_result_arrives_whole_without_copies(start_method):

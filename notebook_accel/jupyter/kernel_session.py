@@ -278,22 +278,14 @@ def _failure_text(replies: dict, failed: tuple, filename: str, label: str) -> st
 
 
 # -- %accelerate start/stop/... -------------------------------------------------------------------
-def start(
-    shell,
-    num_processes: int,
-    start_method: str,
-    mixed_precision,
-    cpu,
-    fsdp=None,
-    gpu_ids=None,
-    stall_after=None,
-) -> KernelSession:
+def start(shell, *args, **kwargs) -> KernelSession:
+    """Start `KernelSession(shell, *args, **kwargs)` as this kernel's session (one at a time)."""
     global _current
     if _current is not None:
         raise RuntimeError(
             f"a session with {_current.world} workers is running: %accelerate restart, or %accelerate stop first"
         )
-    ks = KernelSession(shell, num_processes, start_method, mixed_precision, cpu, fsdp, gpu_ids, stall_after)
+    ks = KernelSession(shell, *args, **kwargs)
     ks.session.start()
     _current = ks
     _notify(ks)

@@ -91,120 +91,134 @@ def is_mpi_available() -> bool:
 # accelerate's other probes. A package counts when its module is found *and* its distribution is
 # installed (a stray folder named like a package is not the package); where accelerate needs a
 # minimum version, the installed version is compared. Nothing here imports the package.
+_DISTRIBUTIONS = {  # the distributions to look for where they are not named like the module
+    "comet_ml": ("comet_ml", "comet-ml"),
+    "import_timer": ("import_timer", "import-timer"),
+    "lomo_optim": ("lomo_optim", "lomo-optim"),
+    "megatron": ("megatron-core",),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+    "msamp": ("msamp", "ms-amp"),
+    "pynvml": ("pynvml", "nvidia-ml-py"),
+    "transformer_engine": ("transformer_engine", "transformer-engine"),
+    "triton": ("triton", "pytorch-triton", "triton-xpu"),
+}
+
+
+def _installed(module: str, minimum: Optional[str] = None) -> bool:
+    found = installed_version(module, _DISTRIBUTIONS.get(module, (module,)))
+    return found is not None and (minimum is None or _at_least(found, minimum))
+
+
 def is_aim_available() -> bool:
-    return installed_version("aim", ("aim",)) is not None
+    return _installed("aim")
 
 
 def is_amdsmi_available() -> bool:
-    return installed_version("amdsmi", ("amdsmi",)) is not None
+    return _installed("amdsmi")
 
 
 def is_boto3_available() -> bool:
-    return installed_version("boto3", ("boto3",)) is not None
+    return _installed("boto3")
 
 
 def is_clearml_available() -> bool:
-    return installed_version("clearml", ("clearml",)) is not None
+    return _installed("clearml")
 
 
 def is_comet_ml_available() -> bool:
-    return installed_version("comet_ml", ("comet_ml", "comet-ml")) is not None
+    return _installed("comet_ml")
 
 
 def is_datasets_available() -> bool:
-    return installed_version("datasets", ("datasets",)) is not None
+    return _installed("datasets")
 
 
 def is_dvclive_available() -> bool:
-    return installed_version("dvclive", ("dvclive",)) is not None
+    return _installed("dvclive")
 
 
 def is_import_timer_available() -> bool:
-    return installed_version("import_timer", ("import_timer", "import-timer")) is not None
+    return _installed("import_timer")
 
 
 def is_lomo_available() -> bool:
-    return installed_version("lomo_optim", ("lomo_optim", "lomo-optim")) is not None
+    return _installed("lomo_optim")
 
 
 def is_matplotlib_available() -> bool:
-    return installed_version("matplotlib", ("matplotlib",)) is not None
+    return _installed("matplotlib")
 
 
 def is_msamp_available() -> bool:
-    return installed_version("msamp", ("msamp", "ms-amp")) is not None
+    return _installed("msamp")
 
 
 def is_pandas_available() -> bool:
-    return installed_version("pandas", ("pandas",)) is not None
+    return _installed("pandas")
 
 
 def is_peft_available() -> bool:
-    return installed_version("peft", ("peft",)) is not None
+    return _installed("peft")
 
 
 def is_pynvml_available() -> bool:
-    return installed_version("pynvml", ("pynvml", "nvidia-ml-py")) is not None
+    return _installed("pynvml")
 
 
 def is_pytest_available() -> bool:
-    return installed_version("pytest", ("pytest",)) is not None
+    return _installed("pytest")
 
 
 def is_sagemaker_available() -> bool:
-    return installed_version("sagemaker", ("sagemaker",)) is not None
+    return _installed("sagemaker")
 
 
 def is_schedulefree_available() -> bool:
-    return installed_version("schedulefree", ("schedulefree",)) is not None
+    return _installed("schedulefree")
 
 
 def is_swanlab_available() -> bool:
-    return installed_version("swanlab", ("swanlab",)) is not None
+    return _installed("swanlab")
 
 
 def is_timm_available() -> bool:
-    return installed_version("timm", ("timm",)) is not None
+    return _installed("timm")
 
 
 def is_torchdata_available() -> bool:
-    return installed_version("torchdata", ("torchdata",)) is not None
+    return _installed("torchdata")
 
 
 def is_torchdata_stateful_dataloader_available() -> bool:
-    found = installed_version("torchdata", ("torchdata",))
-    return found is not None and _at_least(found, "0.8.0")
+    return _installed("torchdata", "0.8.0")
 
 
 def is_torchvision_available() -> bool:
-    return installed_version("torchvision", ("torchvision",)) is not None
+    return _installed("torchvision")
 
 
 def is_transformers_available() -> bool:
-    return installed_version("transformers", ("transformers",)) is not None
+    return _installed("transformers")
 
 
 def is_triton_available() -> bool:
-    return installed_version("triton", ("triton", "pytorch-triton", "triton-xpu")) is not None
+    return _installed("triton")
 
 
 def is_4bit_bnb_available() -> bool:
-    found = installed_version("bitsandbytes", ("bitsandbytes",))
-    return found is not None and _at_least(found, "0.39.0")
+    return _installed("bitsandbytes", "0.39.0")
 
 
 def is_8bit_bnb_available() -> bool:
-    found = installed_version("bitsandbytes", ("bitsandbytes",))
-    return found is not None and _at_least(found, "0.37.2")
+    return _installed("bitsandbytes", "0.37.2")
 
 
 def is_tqdm_available() -> bool:
-    return installed_version("tqdm", ("tqdm",)) is not None
+    return _installed("tqdm")
 
 
 def is_numpy_available(min_version: str = "1.25.0") -> bool:
-    found = installed_version("numpy", ("numpy",))
-    return found is not None and _at_least(found, min_version)
+    return _installed("numpy", min_version)
 
 
 def hf_accelerate_installed() -> bool:
@@ -219,8 +233,7 @@ def hf_accelerate_installed() -> bool:
 
 
 def is_bnb_available(min_version: Optional[str] = None) -> bool:
-    found = installed_version("bitsandbytes", ("bitsandbytes",))
-    return found is not None and (min_version is None or _at_least(found, min_version))
+    return _installed("bitsandbytes", min_version)
 
 
 def is_bitsandbytes_multi_backend_available() -> bool:
@@ -233,30 +246,29 @@ def is_bitsandbytes_multi_backend_available() -> bool:
 
 
 def is_mlflow_available() -> bool:
-    return installed_version("mlflow", ("mlflow", "mlflow-skinny")) is not None
+    return _installed("mlflow")
 
 
 def is_trackio_available() -> bool:
-    return sys.version_info >= (3, 10) and installed_version("trackio", ("trackio",)) is not None
+    return sys.version_info >= (3, 10) and _installed("trackio")
 
 
 def is_rich_available() -> bool:
     """rich installed and asked for (ACCELERATE_ENABLE_RICH), as accelerate decides."""
     from .environment import parse_bool
 
-    if installed_version("rich", ("rich",)) is None:
+    if not _installed("rich"):
         return False
     return parse_bool(os.environ.get("ACCELERATE_ENABLE_RICH", "0"))
 
 
 def is_torchao_available() -> bool:
-    found = installed_version("torchao", ("torchao",))
-    return found is not None and _at_least(found, "0.6.1")
+    return _installed("torchao", "0.6.1")
 
 
 def is_transformer_engine_mxfp8_available() -> bool:
     """TransformerEngine installed and saying this GPU supports MXFP8 (imports transformer_engine)."""
-    if installed_version("transformer_engine", ("transformer_engine", "transformer-engine")) is None:
+    if not _installed("transformer_engine"):
         return False
     from transformer_engine.pytorch.fp8 import check_mxfp8_support
 
@@ -269,8 +281,7 @@ def is_megatron_lm_available() -> bool:
 
     if not parse_bool(os.environ.get("ACCELERATE_USE_MEGATRON_LM", "0")):
         return False
-    found = installed_version("megatron", ("megatron-core",))
-    return found is not None and _at_least(found, "0.8.0") and _has("megatron.training")
+    return _installed("megatron", "0.8.0") and _has("megatron.training")
 
 
 def is_pippy_available() -> bool:

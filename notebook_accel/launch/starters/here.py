@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from contextlib import contextmanager
 
+from ...utils.env_flags import patch_environment
 from ...utils.environment import DEBUG_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
 from ..errors import LaunchConfigError, LaunchTimeoutError
 
 
 def run(plan, payload, sink, control) -> list:
     keep = {k: plan.env[k] for k in (MIXED_PRECISION_ENV, USE_CPU_ENV, DEBUG_ENV) if k in plan.env}
-    with _patched_environ(keep), _alarm(control):
+    with patch_environment(**keep), _alarm(control):
         return [payload.function(*payload.args)]
 
 
@@ -37,17 +37,3 @@ def _alarm(control):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-@contextmanager
-def _patched_environ(values: dict):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -104,6 +104,24 @@ def check(name: str, ranks: int, timeout: float = TIMEOUT_S) -> Outcome:
     return rest
 
 
+def run_alone(command, env, cwd, timeout: float):
+    """(exit code, output) of `command` in a session of its own; nothing it started outlives it."""
+    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        output += f"\n[conformance] killed after {timeout:.0f} s"
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return process.returncode, output
+
+
 def run_one(name: str, ranks: int, timeout: float = TIMEOUT_S, skip=()) -> Outcome:
     script = wheel.script(name)
     with tempfile.TemporaryDirectory(prefix=f"conformance-{name}-") as reports:
@@ -117,21 +135,8 @@ def run_one(name: str, ranks: int, timeout: float = TIMEOUT_S, skip=()) -> Outco
         started = time.monotonic()
         env = environment(reports, ranks)
         env["CONFORMANCE_SKIP"] = ",".join(skip)
-        process = subprocess.Popen(command, env=env, cwd=reports,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True)
-        try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            output += f"\n[conformance] killed after {timeout:.0f} s"
-        finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # nothing the script started outlives it
-            except ProcessLookupError:
-                pass
-        outcome = Outcome(name, ranks, process.returncode, time.monotonic() - started, output=output)
+        returncode, output = run_alone(command, env, reports, timeout)
+        outcome = Outcome(name, ranks, returncode, time.monotonic() - started, output=output)
         reports_by_rank = {}
         for path in Path(reports).glob("rank*.json"):
             report = json.loads(path.read_text())

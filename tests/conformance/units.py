@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from conformance import installs, wheel  # noqa: E402
+from conformance.run import run_alone  # noqa: E402
 
 FILES = (
     "test_hooks", "test_big_modeling", "test_modeling_utils", "test_offload", "test_data_loader", "test_utils",
@@ -110,21 +109,8 @@ def run(files=FILES, against_accelerate: bool = False, timeout: float = TIMEOUT_
                    "--rootdir", str(root),
                    "--timeout", "300", "--junitxml", str(junit), *extra, *[f"tests/{name}.py" for name in files]]
         started = time.monotonic()
-        process = subprocess.Popen(command, cwd=root, env=environment(against_accelerate, scratch),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True)
-        try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            output += f"\n[units] killed after {timeout:.0f} s"
-        finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # nothing a test started outlives the run
-            except ProcessLookupError:
-                pass
-        outcome = Run(returncode=process.returncode, seconds=time.monotonic() - started, output=output)
+        returncode, output = run_alone(command, environment(against_accelerate, scratch), root, timeout)
+        outcome = Run(returncode=returncode, seconds=time.monotonic() - started, output=output)
         if junit.exists():
             outcome.results = parse(root, junit)
         return outcome

@@ -9,22 +9,10 @@ import os
 
 import pytest
 import torch
+from test_checkpoint_safety import Holder  # a registered object; here its value needs full pickle
 
 from notebook_accel import Accelerator
 from notebook_accel.checkpointing import CheckpointError, load_options
-
-
-class Holder:
-    """A registered object whose value needs full pickle (a Fraction) to load."""
-
-    def __init__(self, value=None):
-        self.value = value
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
 
 
 def _trained(tmp_path, hooks: list):

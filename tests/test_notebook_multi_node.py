@@ -9,6 +9,11 @@ pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 psutil = pytest.importorskip("psutil")
 
+# Alone: beside a parallel test process, node 0 (the notebook) finished so far ahead that node 1's torch
+# elastic agent logged a traceback from its exit barrier (the store had gone), which test_both_nodes_exit_zero
+# rightly refuses to see.
+pytestmark = pytest.mark.alone
+
 from notebooks import cell, execute  # noqa: E402
 
 RANK_LINE = re.compile(

@@ -81,6 +81,11 @@ def _init_process_group(
         # One machine: connect once rank 0's store listens, not into torch's back-off (peers.py).
         most = timeout.total_seconds() if timeout is not None else 60.0
         peers.wait_for_listener(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), min(60.0, most))
+    # torch.distributed.nn's functions take `group=group.WORLD` as a default, read at import: DDP
+    # imports it, and imported after the group exists it holds the group for good, so the group's
+    # threads outlive the interpreter and a late one aborts the exit (see peers.keep).
+    import torch.distributed.nn  # noqa: F401
+
     dist.init_process_group(**kwargs)
     peers.keep(dist.group.WORLD)  # see there: a torch deadlock
     peers.tell("joined")

@@ -429,6 +429,71 @@ def test_ranks_that_destroy_the_group_and_exit_do_not_abort(tmp_path):
             mark.unlink()
 
 
+_DDP_THEN_EXIT = """
+import atexit, weakref
+import torch
+import torch.distributed as dist
+from notebook_accel import Accelerator
+freed = []
+atexit.register(lambda: open(f"freed{freed[0]}", "w").write(str(freed[1]() is None)))  # runs after ours
+def main():  # as accelerate's test_sync: the models are gone by the exit hooks
+    accelerator = Accelerator()
+    freed[:] = [accelerator.process_index, weakref.ref(dist.group.WORLD)]
+    model = accelerator.prepare(torch.nn.Linear(2, 1))
+    accelerator.backward(model(torch.randn(4, 2)).sum())
+    accelerator.state.destroy_process_group()
+main()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_ddp_scripts_group_is_freed_before_the_interpreter_ends(tmp_path):
+    # torch.distributed.nn, which DDP imports, reads group.WORLD into its functions' defaults at import: first
+    # imported after the group exists, it held the group past the exit hooks, and a gloo thread still letting go
+    # of a collective once the interpreter was ending aborted a rank (test_sync, 4 ranks, once in CI).
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp_then_exit.py"
+    script.write_text(_DDP_THEN_EXIT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+         "--rdzv_endpoint=127.0.0.1:0", "--monitor_interval=0.1", str(script)],
+        env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert {p.name: p.read_text() for p in tmp_path.glob("freed*")} == {"freed0": "True", "freed1": "True"}
+
+
+def test_exit_waits_for_a_busy_thread_and_not_for_sleeping_ones():
+    # peers._let_go's wait when the group outlives the exit hooks (a DDP model in a global).
+    import threading
+    import zlib
+
+    from notebook_accel.utils import peers
+
+    stop = threading.Event()
+    sleeper = threading.Thread(target=stop.wait, daemon=True)
+    sleeper.start()
+    assert peers.threads_at_rest(limit=5.0) is True
+    data = os.urandom(1 << 24)
+
+    def spin():  # zlib works with the GIL released: the thread stays runnable, as a late gloo thread
+        while not stop.is_set():
+            zlib.compress(data, 1)
+
+    busy = threading.Thread(target=spin, daemon=True)
+    busy.start()
+    try:
+        assert peers.threads_at_rest(limit=0.3) is False
+    finally:
+        stop.set()
+        busy.join(timeout=30)
+        sleeper.join(timeout=30)
+    assert peers.threads_at_rest(limit=5.0) is True
+
+
 def test_a_forked_ranks_group_is_left_to_the_launcher():
     results = run_ranks(_destroy_then_drop_ddp, 2, 1, env={"FORK_LAUNCHED": "1"}, timeout=TIMEOUT)
     assert results == [[True], [True]]

@@ -14,7 +14,9 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import threading
 import time
+import weakref
 
 _ARRIVED = "arrived"
 _LEFT = "left_without_state"
@@ -160,7 +162,41 @@ def keep(group) -> None:
 
 
 def _let_go() -> None:
-    # At exit, while the interpreter is whole: a group first freed during its teardown aborts the
-    # process ("terminate called without an active exception": gloo's threads outlive their owner).
+    # At exit, while the interpreter is whole: freeing the group here joins gloo's threads with the
+    # GIL released. A thread still letting go of a collective's tensors once the interpreter is
+    # ending aborts the process ("terminate called without an active exception").
     global _kept_group
-    _kept_group = None
+    group, _kept_group = _kept_group, None
+    if group is None:
+        return
+    alive = weakref.ref(group)
+    del group
+    if alive() is not None:  # still held (a DDP model in a global): freed in the teardown, so
+        threads_at_rest()  # give a late gloo thread the GIL and the time to finish first
+
+
+def threads_at_rest(limit: float = 0.5) -> bool:
+    """Wait, the GIL free, until every other thread of this process has been seen asleep twice in
+    a row (Linux's /proc), at most `limit` seconds; True once they have."""
+    me = str(threading.get_native_id())
+    deadline = time.monotonic() + limit
+    quiet = 0
+    while quiet < 2:
+        time.sleep(0.002)
+        try:
+            busy = any(_state(tid) == "R" for tid in os.listdir("/proc/self/task") if tid != me)
+        except OSError:  # no /proc: a short pause is all we can give
+            time.sleep(0.05)
+            return False
+        quiet = 0 if busy else quiet + 1
+        if quiet < 2 and time.monotonic() > deadline:
+            return False
+    return True
+
+
+def _state(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"

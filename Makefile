@@ -19,8 +19,8 @@ demo: $(STAMP)
 # smoke tests run after the suite. Either failing fails `make test`.
 test: $(STAMP) browser labextension-dev test-extension layers
 	$(MAKE) --no-print-directory $(STAMP312) > $(VENV312).log 2>&1 & builder=$$!; \
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not alone" --durations=25 tests; suite=$$?; \
-	$(BIN)/python -m pytest -q -m alone tests || suite=1; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not alone and not ray" --durations=25 tests; suite=$$?; \
+	$(BIN)/python -m pytest -q -m "alone or ray" tests || suite=1; \
 	if ! wait $$builder; then cat $(VENV312).log; echo "make test: building $(VENV312) failed (its log is above)"; exit 1; fi; \
 	$(MAKE) --no-print-directory test-py312 && exit $$suite
 

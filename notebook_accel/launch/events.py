@@ -91,17 +91,19 @@ class RankFailed:
     peak_device_memory: Optional[int] = None
     oom: str = ""
     memory_note: str = ""
+    node: str = ""  # the rank's machine, where the launch spans several (a Ray launch)
 
     def summary(self) -> str:
+        who = f"rank {self.rank} on node {self.node}" if self.node else f"rank {self.rank}"
         if self.oom and self.signal_name:
-            return f"rank {self.rank} was killed ({self.signal_name}), {self.memory_note}"
+            return f"{who} was killed ({self.signal_name}), {self.memory_note}"
         if self.message and not self.exc_type:  # the launcher's own word on it (forkserver lost)
-            return f"rank {self.rank} failed: {self.message}"
+            return f"{who} failed: {self.message}"
         if self.exc_type:
-            return f"rank {self.rank} raised {self.exc_type}: {self.message}"
+            return f"{who} raised {self.exc_type}: {self.message}"
         if self.signal_name:
-            return f"rank {self.rank} died with {self.signal_name}"
-        return f"rank {self.rank} exited with code {self.exitcode} without a result"
+            return f"{who} died with {self.signal_name}"
+        return f"{who} exited with code {self.exitcode} without a result"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def notebook_launcher(
     max_restarts: int = default(0),
     monitor_interval: float = 0.1,
     log_line_prefix_template: Optional[str] = None,
-    start_method: str = "fork",
+    start_method: str = default("fork"),
     *,
     cpu: Optional[bool] = None,
     sinks=None,
@@ -40,6 +40,11 @@ def notebook_launcher(
     gpu_ids=None,
     stall_after: Optional[float] = None,
     pdb: bool = False,
+    engine: Optional[str] = None,
+    ray_address: Optional[str] = None,
+    resources_per_rank: Optional[dict] = None,
+    placement: str = "pack",
+    runtime_env: Optional[dict] = None,
 ) -> list:
     """Run `function(*args)` on `num_processes` processes; return each local rank's return value.
 
@@ -65,6 +70,12 @@ def notebook_launcher(
     until pdb ends (q, c); then the rank exits and `LaunchFailedError` is raised as usual. The
     timeout stops counting once that rank is in pdb. Where no command can be read (a front end that
     does not answer input, a script whose stdin is not a terminal), the rank ends and the error says so.
+    `engine="ray"` runs the ranks as Ray actors on the cluster this process is connected to, else
+    the one at `ray_address` ($RAY_ADDRESS, else "auto"): `num_processes` ranks over the cluster, one
+    placement-group bundle of `resources_per_rank` ({"CPU": 1} by default) each, placed as `placement`
+    says ("pack", "spread", "strict_pack", "strict_spread"); `runtime_env` goes to every rank's actor.
+    Results come back in global rank order. Ray places the ranks, so the node, port, rendezvous,
+    start-method and device arguments are refused with it. See docs/ray.md.
     """
     if not callable(function):
         raise TypeError(
@@ -92,6 +103,11 @@ def notebook_launcher(
         gpu_ids=gpu_ids,
         stall_after=stall_after,
         pdb=pdb,
+        engine=engine,
+        ray_address=ray_address,
+        resources_per_rank=resources_per_rank,
+        placement=placement,
+        runtime_env=runtime_env,
     )
     control = LaunchControl(timeout)
     sink = Fanout(sinks if sinks is not None else frontend.default_sinks())

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from ..utils import families
-from . import limits, pdb_relay, ports, stall_settings
+from . import limits, pdb_relay, ports, ray_plan, stall_settings
 from .errors import LaunchConfigError
 from .limits import MANY_PROCESSES_ENV, PROCESSES_PER_CORE  # noqa: F401  (their old home)
 from .ports import free_port  # noqa: F401  (its old home: tests, tools and benchmarks import it here)
@@ -60,7 +60,7 @@ def is_default(value) -> bool:
 class LaunchPlan:
     num_processes: int  # on this node
     start_method: str
-    engine: str  # "local" (our process manager), "elastic" (torch elastic agent) or "xla" (xmp.spawn)
+    engine: str  # "local" (our process manager), "elastic" (torch elastic agent), "xla" (xmp.spawn), "ray"
     num_nodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -78,6 +78,7 @@ class LaunchPlan:
     fsdp: bool = False  # the ranks build an FSDP plugin from FSDP_* (ACCELERATE_USE_FSDP is true)
     pdb: bool = False  # the first rank to fail stays in pdb, debugged from the launching thread
     port_held: bool = False  # master_port was picked here and is held until the launch ends (ports.py)
+    ray: Optional[ray_plan.RaySettings] = None  # engine "ray": where and how Ray places the ranks
     notes: tuple = ()  # one-line messages the user should see (why a default was changed); the
     # launcher sends them to the sinks as LaunchNotice events (launcher.send_notes)
     env: dict = field(default_factory=dict)  # set in every child
@@ -124,7 +125,7 @@ def make_plan(
     max_restarts=default(0),
     monitor_interval=0.1,
     log_line_prefix_template=None,
-    start_method="fork",
+    start_method=default("fork"),
     cpu: Optional[bool] = None,
     *,
     debug: Optional[bool] = None,
@@ -133,6 +134,11 @@ def make_plan(
     fsdp=None,
     stall_after=None,
     pdb=False,
+    engine=None,
+    ray_address=None,
+    resources_per_rank=None,
+    placement="pack",
+    runtime_env=None,
 ) -> LaunchPlan:
     from .. import hardware
     from ..placement import several_on_cpu
@@ -142,6 +148,8 @@ def make_plan(
 
     notes = []
     arguments = locals()
+    if ray_plan.check_engine(engine) == "ray":
+        ray_plan.refuse_placing({name: _passed(arguments[name]) for name in ray_plan.PLACED_BY_RAY})
     # The config file fills in what the caller left out.
     chosen, config_env, config = _with_config(config_file, notes, {n: arguments[n] for n in _CONFIGURABLE})
     stall_after = stall_settings.resolve_stall_after(stall_after, config)  # env beats the config
@@ -160,6 +168,9 @@ def make_plan(
         mixed_precision = parse_mixed_precision(mixed_precision)
     except ValueError as exc:
         raise LaunchConfigError(str(exc)) from None
+    if engine == "ray":
+        ray = ray_plan.settings(ray_address, resources_per_rank, placement, runtime_env, cpu)
+        return _ray_plan(num_processes, mixed_precision, ray, config_env, fsdp, stall_after, debug, notes)
     num_nodes = _positive_int("num_nodes", num_nodes)
     node_rank = _int("node_rank", node_rank)
     if not 0 <= node_rank < num_nodes:
@@ -276,6 +287,46 @@ def make_plan(
     if port_held:
         weakref.finalize(plan, ports.release, port)  # a plan dropped unlaunched lets go of its port
     return plan
+
+
+def _passed(value) -> bool:
+    """The caller gave this argument (not its marked default, None, "", or False)."""
+    return not is_default(value) and value not in (None, "", False)
+
+
+def _ray_plan(num_processes, mixed_precision, ray, config_env, fsdp, stall_after, debug, notes) -> LaunchPlan:
+    """engine="ray": `num_processes` ranks over the cluster, placed by Ray (starters/ray_engine.py)."""
+    from ..utils.environment import DEBUG_ENV, LAUNCHER_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
+
+    if num_processes is None:
+        raise LaunchConfigError("engine='ray' needs num_processes: the number of ranks over the cluster.")
+    num_processes = _positive_int("num_processes", num_processes)
+    threads = ray_plan.threads(ray.resources)
+    env = {
+        **_fsdp_env(config_env, fsdp),
+        LAUNCHER_ENV: "1",
+        limits.OUTER_LAUNCHES_ENV: limits.for_ranks(num_processes),
+        MIXED_PRECISION_ENV: mixed_precision,
+        "OMP_NUM_THREADS": str(threads),
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+        stall_settings.STALL_AFTER_ENV: "0",  # the stall watch does not reach Ray ranks yet
+    }
+    if not ray.resources.get("GPU"):
+        env[USE_CPU_ENV] = "1"  # ranks without a GPU form one MULTI_CPU job, accelerate's own included
+    if debug is not None:
+        env[DEBUG_ENV] = "1" if debug else "0"
+    return LaunchPlan(
+        num_processes=num_processes,
+        start_method="ray",
+        engine="ray",
+        mixed_precision=mixed_precision,
+        stall_after=stall_after,
+        threads_per_process=threads,
+        fsdp=_fsdp_on(env),
+        notes=tuple(notes),
+        env=env,
+        ray=ray,
+    )
 
 
 # accelerate 1.15 without an accelerator is one process per rank (DistributedType.NO) unless told

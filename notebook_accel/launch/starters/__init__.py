@@ -39,14 +39,20 @@ def _local():
     return local
 
 
-STARTERS = {"xla": _xla, "elastic": _elastic, "here": _here, "local": _local}
+def _ray():
+    from . import ray_engine
+
+    return ray_engine
+
+
+STARTERS = {"xla": _xla, "elastic": _elastic, "here": _here, "local": _local, "ray": _ray}
 
 
 def starter_name(plan) -> str:
     """Which starter runs `plan`: xla (xmp.spawn on a TPU host), elastic (torch's agent for several
     nodes, restarts or a dynamic rendezvous), here (one process, in the caller, unless gpu_ids chose
     its device or pdb is on), or local (fork / spawn / forkserver, watched by our own monitor)."""
-    if plan.engine in ("xla", "elastic"):
+    if plan.engine in ("xla", "elastic", "ray"):
         return plan.engine
     if plan.num_processes == 1 and plan.num_nodes == 1 and not plan.chooses_devices and not plan.pdb:
         return "here"

@@ -1,0 +1,133 @@
+"""One rank of a Ray launch, inside its actor on a node (starters/ray_engine.py drives it).
+
+Everything travels over Ray's own actor calls, never a socket back to the driver, so a driver the
+nodes cannot reach (Ray Client, a laptop) works. The actor serves two calls at once: `run` (the
+function) and `take` (the output since the last call): its fds 1 and 2 are pipes while `run` runs,
+so what the rank prints, C extensions included, reaches the driver's events and not Ray's log files
+(which Ray would print on the driver a second time)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+
+def versions() -> dict:
+    import torch
+
+    from ..utils.version import __version__
+
+    return {"notebook_accel": __version__, "torch": torch.__version__.split("+")[0]}
+
+
+class RankActor:
+    """Created by the driver with `ray.remote(max_concurrency=2)`, one per rank and bundle."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._chunks: list = []  # (stream, bytes) read since the last `take`
+        self._readers: list = []
+
+    def where(self) -> dict:
+        """Where this rank runs: its node, address, GPUs, pid and versions."""
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+            "pid": os.getpid(),
+            "versions": versions(),
+        }
+
+    def free_port(self) -> int:
+        from .ports import free_port
+
+        return free_port()
+
+    def take(self) -> list:
+        with self._lock:
+            chunks, self._chunks = self._chunks, []
+        return chunks
+
+    def run(self, env: dict, threads: int, payload: bytes) -> tuple:
+        """("result", body, buffers) or ("error", report): as a forked rank reports on its socket."""
+        saved = self._capture()
+        try:
+            return _run(env, threads, payload)
+        finally:
+            self._release(saved)
+
+    def _capture(self) -> tuple:
+        from .child import flush_output
+
+        flush_output()
+        saved = (os.dup(1), os.dup(2))
+        for fd, stream in ((1, "stdout"), (2, "stderr")):
+            read, write = os.pipe()
+            os.dup2(write, fd)
+            os.close(write)
+            reader = threading.Thread(target=self._read, args=(read, stream), daemon=True)
+            reader.start()
+            self._readers.append(reader)
+        return saved
+
+    def _release(self, saved: tuple) -> None:
+        from .child import flush_output
+
+        flush_output()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)  # the pipe's last writer goes: its reader sees the end
+            os.close(old)
+        for reader in self._readers:
+            reader.join(timeout=10)
+        self._readers = []
+
+    def _read(self, fd: int, stream: str) -> None:
+        with os.fdopen(fd, "rb", buffering=0) as pipe:
+            while True:
+                data = pipe.read(65536)
+                if not data:
+                    return
+                with self._lock:
+                    self._chunks.append((stream, data))
+
+
+def _run(env: dict, threads: int, payload: bytes) -> tuple:
+    from .child import _error_report, flush_output
+    from .payload import dumps_result, loads
+
+    __tracebackhide__ = True  # noqa: F841  (child._user_traceback starts the rank's traceback below this)
+    os.environ.update(env)
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        from .. import state
+
+        for kind in (state.PartialState, state.AcceleratorState, state.GradientState):
+            kind._reset_state()  # a reused actor process: the last launch's state is not this one's
+        function, args = loads(payload)
+        result = function(*args)
+    except BaseException as exc:  # everything, SystemExit and KeyboardInterrupt too
+        flush_output()
+        return ("error", _error_report(exc))
+    finally:
+        _destroy_group()
+    try:
+        body, buffers = dumps_result(result)
+    except Exception as exc:
+        rank = env.get("RANK", "?")
+        message = f"the return value of rank {rank} ({type(result).__name__}) cannot be pickled: {exc}"
+        return ("error", {"exc_type": "PicklingError", "message": message, "traceback": ""})
+    return ("result", body, [bytes(b) for b in buffers])  # Ray pickles bytes, not memoryviews
+
+
+def _destroy_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass

@@ -1,0 +1,363 @@
+"""Ranks as Ray actors on a cluster (engine="ray"): one placement group per launch, one bundle and
+one actor per rank. Ray places, schedules and notices dead nodes; we rendezvous the ranks at rank
+0's node, run the function in each actor (launch/ray_rank.py) and turn what comes back over Ray's
+own calls into the events every launch reports. Nothing of ours stays on the cluster after a launch:
+every actor is killed and the placement group removed, however the launch ends."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .. import events as ev
+from ..errors import LaunchConfigError, LaunchFailedError, LaunchStoppedError, LaunchTimeoutError
+from ..lines import LineSplitter
+from ..ray_plan import INSTALL
+from .local import _failed, _stopped
+
+POLL_S = 0.1  # how often the driver asks the ranks for their output and checks for a stop
+NOTICE_AFTER_S = 2.0  # a placement group not ready by then: say that the launch waits for the cluster
+TAKE_WAIT_S = 10.0  # a rank's output call that takes longer is left for the next poll
+PROBE_S = 5.0  # a cluster address that does not answer a TCP connect by then is not a cluster
+REMOVE_WAIT_S = 10.0  # at most this long for Ray to free a launch's bundles
+
+
+def ray_module():
+    try:
+        import ray
+    except ImportError:
+        raise LaunchConfigError(f"engine='ray' needs Ray, which is not installed here: {INSTALL}") from None
+    return ray
+
+
+_opened: dict = {}  # the connection this module opened: {"runtime_env": the job's}
+
+
+def connect(ray, address, runtime_env) -> bool:
+    """Use the cluster this process is connected to, else connect to `address`, $RAY_ADDRESS or
+    "auto"; we never start a cluster. A connection opened here stays open for later launches and
+    carries `runtime_env` as the job's: Ray uploads a local folder (working_dir, py_modules) only for
+    a job, so a launch with another runtime_env reconnects. True when the ranks' actors must carry
+    `runtime_env` themselves (a connection the user opened, which we never close)."""
+    if ray.is_initialized():
+        if not _opened:
+            return runtime_env is not None
+        if _opened["runtime_env"] == runtime_env:
+            return False
+        ray.shutdown()  # ours, opened for another runtime_env
+    _opened.clear()
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        _probe(address)  # Ray retries an address where nothing listens for minutes
+        ray.init(address=address, runtime_env=runtime_env)
+        _opened["runtime_env"] = runtime_env
+        return False
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise LaunchConfigError(
+            f"no Ray cluster answers at ray_address={address!r} ({str(exc).strip().splitlines()[0]}). Start one "
+            "with `ray start --head` on a machine of the cluster and pass its address (or 'auto' on that "
+            "machine), or call ray.init(...) yourself before launching."
+        ) from None
+
+
+def _probe(address: str, seconds: float = PROBE_S) -> None:
+    """Raise ConnectionError when nothing listens at a "host:port" address (or "ray://host:port")."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local": Ray's own look-up, which fails fast
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
+    except OSError as exc:
+        raise ConnectionError(f"nothing listens at {host}:{port}: {exc.strerror or exc}") from None
+
+
+def check_fits(ray, resources: dict, ranks: int) -> None:
+    """Fail at once when the cluster could never place the ranks: in total, or one rank on one node."""
+    wanted = {name: amount * ranks for name, amount in resources.items() if amount}
+    total = ray.cluster_resources()
+    short = [
+        f"{name}: {need:g} wanted, {total.get(name, 0):g} in the cluster"
+        for name, need in wanted.items()
+        if need > total.get(name, 0) + 1e-9
+    ]
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if not short and not any(all(n.get(k, 0) >= v for k, v in resources.items()) for n in nodes):
+        short = [f"no node has {resources} for one rank"]
+    if short:
+        raise LaunchConfigError(
+            f"the Ray cluster cannot hold {ranks} rank(s) of resources_per_rank={resources}: "
+            f"{'; '.join(short)}. Use fewer ranks, smaller resources_per_rank, or add nodes."
+        )
+
+
+class RayLaunch:
+    """One launch's placement group and actors, and the loop that watches them."""
+
+    def __init__(self, ray, plan, sink, control, actor_env: bool = False):
+        self.ray, self.plan, self.sink, self.control = ray, plan, sink, control
+        self.actor_env = actor_env  # the actors carry plan.ray.runtime_env (see connect)
+        self.group = None
+        self.actors: list = []  # by bundle index
+        self.ranks: list = []  # rank -> bundle index
+        self.where: list = []  # rank -> the actor's `where` answer
+        self.splitters: dict = {}
+
+    # -- placing -------------------------------------------------------------------------------
+    def place(self) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ..ray_rank import RankActor
+
+        settings, n = self.plan.ray, self.plan.num_processes
+        self.group = placement_group([dict(settings.resources)] * n, strategy=settings.placement)
+        self._wait_for_group()
+        resources = dict(settings.resources)
+        options = {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0)}
+        if resources:
+            options["resources"] = resources
+        if self.actor_env:
+            options["runtime_env"] = settings.runtime_env
+        actor = self.ray.remote(RankActor)
+        for index in range(n):
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+            try:
+                self.actors.append(
+                    actor.options(max_concurrency=2, scheduling_strategy=strategy, **options).remote()
+                )
+            except ValueError as exc:  # Ray refuses a local folder in an actor's runtime_env
+                raise LaunchConfigError(
+                    f"runtime_env={settings.runtime_env!r}: {_first_line(exc)} This process was connected to Ray "
+                    "before the launch: pass the runtime_env to your ray.init(runtime_env=...), or launch before "
+                    "connecting and notebook_launcher connects with it."
+                ) from None
+        where = self._get([a.where.remote() for a in self.actors], "the ranks' actors to start")
+        self._check_versions(where)
+        # Ranks node by node, in the order the bundles first name each node; bundle order within.
+        nodes = list(dict.fromkeys(w["node_id"] for w in where))
+        self.ranks = sorted(range(n), key=lambda i: (nodes.index(where[i]["node_id"]), i))
+        self.where = [where[i] for i in self.ranks]
+        self.nodes = nodes
+
+    def _wait_for_group(self) -> None:
+        ready, told, since = self.group.ready(), False, time.monotonic()
+        while not self.ray.wait([ready], timeout=POLL_S)[0]:
+            self._check_stop(f"waiting for the cluster to place the ranks ({self._missing()})")
+            if not told and time.monotonic() - since > NOTICE_AFTER_S:
+                told = True
+                self.sink.handle(
+                    ev.LaunchNotice(f"waiting for the Ray cluster to place the ranks: {self._missing()}")
+                )
+
+    def _missing(self) -> str:
+        free = self.ray.available_resources()
+        want = {k: v * self.plan.num_processes for k, v in self.plan.ray.resources.items() if v}
+        return ", ".join(f"{k} {v:g} wanted, {free.get(k, 0):g} free now" for k, v in want.items())
+
+    def _check_versions(self, where: list) -> None:
+        from ..ray_rank import versions
+
+        here = versions()
+        for w in where:
+            if w["versions"] != here:
+                theirs = ", ".join(f"{k} {v}" for k, v in w["versions"].items())
+                ours = ", ".join(f"{k} {v}" for k, v in here.items())
+                raise LaunchConfigError(
+                    f"Ray node {w['ip']} ({w['node_id'][:12]}) runs {theirs}, this process runs {ours}: "
+                    "install the same versions on every node (or pass runtime_env={'pip': [...]})."
+                )
+
+    # -- running -------------------------------------------------------------------------------
+    def rank_envs(self, port: int) -> list:
+        n, master = self.plan.num_processes, self.where[0]["ip"]
+        envs = []
+        for rank, w in enumerate(self.where):
+            same = [r for r, other in enumerate(self.where) if other["node_id"] == w["node_id"]]
+            env = {
+                **self.plan.env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(same.index(rank)),
+                "WORLD_SIZE": str(n),
+                "LOCAL_WORLD_SIZE": str(len(same)),
+                "GROUP_RANK": str(self.nodes.index(w["node_id"])),
+                "NODE_RANK": str(self.nodes.index(w["node_id"])),
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(port),
+            }
+            gpus = [g for r in same for g in self.where[r]["gpus"]]
+            if gpus:  # one list per node, in local-rank order: cuda:LOCAL_RANK is the rank's own GPU
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            envs.append(env)
+        return envs
+
+    def watch(self, body: bytes) -> list:
+        from ..payload import loads_result
+
+        port = self._get([self.actors[self.ranks[0]].free_port.remote()], "rank 0 to pick a port")[0]
+        envs = self.rank_envs(port)
+        started = time.monotonic()
+        running = {}
+        for rank, index in enumerate(self.ranks):
+            self.sink.handle(ev.RankStarted(rank, self.where[rank]["pid"]))
+            running[self.actors[index].run.remote(envs[rank], self.plan.threads_per_process, body)] = rank
+        results: list = [None] * len(self.ranks)
+        while running:
+            ready, _ = self.ray.wait(list(running), num_returns=len(running), timeout=POLL_S)
+            self._pump(sorted(running.values()))
+            for ref in ready:
+                rank = running.pop(ref)
+                outcome = self._outcome(ref, rank)
+                self._pump([rank])  # the rank's last lines, before what it returned
+                self._flush(rank)
+                if outcome[0] == "result":
+                    # Ray hands back bytes: a tensor must not be built on read-only memory.
+                    results[rank] = loads_result(outcome[1], [bytearray(b) for b in outcome[2]])
+                    self.sink.handle(ev.RankFinished(rank, time.monotonic() - started))
+                else:
+                    self._fail(rank, outcome, sorted(running.values()))
+            self._check_stop("", sorted(running.values()))
+        return results
+
+    def _outcome(self, ref, rank: int) -> tuple:
+        try:
+            return self.ray.get(ref)
+        except self.ray.exceptions.RayActorError as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return ("died", reason)
+
+    def _fail(self, rank: int, outcome: tuple, others: list) -> None:
+        """Report `rank`'s failure, stop the others (the caller's clean-up kills them), raise."""
+        where = self.where[rank]
+        if outcome[0] == "died":
+            message = f"its Ray actor died ({outcome[1]})"
+            report = ev.RankFailed(rank, where["pid"], None, message=message, node=_node(where))
+        else:
+            error = outcome[1]
+            report = ev.RankFailed(
+                rank,
+                where["pid"],
+                1,
+                error["exc_type"],
+                error["message"],
+                error["traceback"],
+                node=_node(where),
+            )
+        self.sink.handle(report)
+        for other in others:
+            self.sink.handle(ev.RankStopped(other, f"rank {rank} failed"))
+        raise LaunchFailedError([report])
+
+    def _pump(self, ranks: list) -> None:
+        refs = {self.actors[self.ranks[r]].take.remote(): r for r in ranks}
+        if not refs:
+            return
+        ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=TAKE_WAIT_S)
+        for ref in ready:
+            try:
+                chunks = self.ray.get(ref)
+            except self.ray.exceptions.RayError:
+                continue  # the actor is gone: its run call says how
+            for stream, data in chunks:
+                self._lines(refs[ref], stream, LineSplitter.feed, data)
+
+    def _flush(self, rank: int) -> None:
+        for stream in ("stdout", "stderr"):
+            self._lines(rank, stream, lambda splitter, _: splitter.finish(), None)
+
+    def _lines(self, rank: int, stream: str, take, data) -> None:
+        splitter = self.splitters.setdefault((rank, stream), LineSplitter())
+        for text, transient in take(splitter, data):
+            self.sink.handle(ev.RankOutput(rank, stream, text, transient))
+
+    def _check_stop(self, doing: str, running: list = ()) -> None:
+        reason = self.control.check(time.monotonic())
+        if not reason:
+            return
+        if doing:
+            reason = f"{reason} while {doing}"
+        for rank in running:
+            self.sink.handle(ev.RankStopped(rank, reason))
+        kind = LaunchTimeoutError if self.control.timed_out else LaunchStoppedError
+        raise kind(reason)
+
+    def _get(self, refs: list, what: str) -> list:
+        """ray.get, watching for a stop or the timeout; an actor that cannot start names its node."""
+        pending = list(refs)
+        while self.ray.wait(pending, num_returns=len(pending), timeout=POLL_S)[1]:
+            self._check_stop(f"waiting for {what}")
+        try:
+            return self.ray.get(refs)
+        except self.ray.exceptions.RayError as exc:
+            raise LaunchConfigError(
+                f"a rank's Ray actor could not start: {_first_line(exc)}. Every node needs notebook_accel and "
+                f"torch installed (the same versions as here), or a runtime_env that installs them."
+            ) from None
+
+    # -- ending --------------------------------------------------------------------------------
+    def clean(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        if self.group is None:
+            return
+        try:
+            remove_placement_group(self.group)
+        except Exception:
+            return
+        # Ray frees bundles and actors in the background: wait until the cluster's view has neither,
+        # so the resources are back when the launch returns.
+        deadline = time.monotonic() + REMOVE_WAIT_S
+        while time.monotonic() < deadline and not self._gone():
+            time.sleep(0.05)
+
+    def _gone(self) -> bool:
+        mark = self.group.id.hex()
+        if any(mark in name for name in self.ray.available_resources()):
+            return False
+        pings = [actor.take.remote() for actor in self.actors]
+        for ping in pings:
+            try:
+                self.ray.get(ping, timeout=1.0)
+                return False  # still answers
+            except self.ray.exceptions.RayActorError:
+                continue
+            except self.ray.exceptions.GetTimeoutError:
+                return False
+        return True
+
+
+def _node(where: dict) -> str:
+    """A node as a person finds it: its address, and its id's start (nodes may share an address)."""
+    return f"{where['ip']} ({where['node_id'][:8]})"
+
+
+def _first_line(exc) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__
+
+
+def run(plan, payload, sink, control) -> list:
+    ray = ray_module()
+    body = payload.pickled()  # an unpicklable function is named before the cluster is touched
+    actor_env = connect(ray, plan.ray.address, plan.ray.runtime_env)
+    check_fits(ray, plan.ray.resources, plan.num_processes)
+    started = time.monotonic()
+    sink.handle(ev.LaunchStarted(plan.num_processes, "ray", plan.num_processes, fsdp=plan.fsdp))
+    launch = RayLaunch(ray, plan, sink, control, actor_env)
+    try:
+        control.start()
+        launch.place()
+        results = launch.watch(body)
+    except BaseException as exc:
+        sink.handle(ev.LaunchFinished(False, time.monotonic() - started, _failed(exc), _stopped(exc)))
+        raise
+    finally:
+        launch.clean()
+    sink.handle(ev.LaunchFinished(True, time.monotonic() - started))
+    return results

@@ -1,0 +1,272 @@
+"""engine="ray" on a real Ray cluster: Ray's own multi-node harness (ray.cluster_utils.Cluster) runs a
+head and a second node of one CPU each here, so two ranks with one CPU each land on different nodes.
+One cluster serves the module; these tests form the "ray" tier and run alone (tests/tiers.py)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is in the dev set (requirements-dev.txt): install it")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from notebook_accel import notebook_launcher  # noqa: E402
+from notebook_accel.launch import events as ev  # noqa: E402
+from notebook_accel.launch.errors import (  # noqa: E402
+    LaunchConfigError,
+    LaunchFailedError,
+    LaunchTimeoutError,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def handle(self, event):
+        self.events.append(event)
+
+    def attach(self, control):
+        pass
+
+    def close(self):
+        pass
+
+    def of(self, kind):
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import cloudpickle
+
+    # The nodes do not have tests/ on their path: this module's functions travel by value, as a
+    # notebook's do (test_runtime_env_brings_a_module_to_the_nodes covers importing one).
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def _nothing_of_ours_left():
+    """No placement group of ours pending or created, and every CPU free again."""
+    from ray.util.placement_group import placement_group_table
+
+    alive = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+    return alive == [] and ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU") == 2
+
+
+def _join_and_reduce(x):
+    import os
+
+    import ray
+    import torch
+
+    from notebook_accel import Accelerator
+
+    accelerator = Accelerator()
+    total = accelerator.reduce(torch.tensor([float(accelerator.process_index + 1)]))
+    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")}
+    node = ray.get_runtime_context().get_node_id()
+    return {"x": x, "rank": accelerator.process_index, "type": str(accelerator.distributed_type),
+            "total": total.item(), "env": env, "node": node, "tensor": torch.arange(3) * accelerator.process_index}  # fmt: skip
+
+
+def test_ranks_on_two_nodes_join_one_group_and_return_in_rank_order(cluster):
+    results = notebook_launcher(_join_and_reduce, (7,), num_processes=2, engine="ray", placement="strict_spread",
+                                sinks=[Recorder()])  # fmt: skip
+    assert [r["rank"] for r in results] == [0, 1] and {r["x"] for r in results} == {7}
+    assert results[0]["node"] != results[1]["node"]  # strict_spread: one rank a node
+    assert [r["total"] for r in results] == [3.0, 3.0] and {r["type"] for r in results} == {"MULTI_CPU"}
+    for rank, r in enumerate(results):
+        assert r["env"] == {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                            "NODE_RANK": str(rank)}  # fmt: skip
+        assert r["tensor"].tolist() == [0, rank, 2 * rank]
+    assert _nothing_of_ours_left()
+
+
+def test_ranks_on_one_node_share_it_with_local_ranks(cluster):
+    c = cluster.add_node(num_cpus=2)  # a third node, two CPUs: strict_pack puts both ranks there
+    cluster.wait_for_nodes()
+    try:
+        results = notebook_launcher(_join_and_reduce, (0,), num_processes=2, engine="ray",
+                                    placement="strict_pack", resources_per_rank={"CPU": 1}, sinks=[Recorder()])  # fmt: skip
+        assert results[0]["node"] == results[1]["node"]
+        assert [r["env"]["LOCAL_RANK"] for r in results] == ["0", "1"]
+        assert {r["env"]["LOCAL_WORLD_SIZE"] for r in results} == {"2"} and results[1]["total"] == 3.0
+    finally:
+        cluster.remove_node(c)
+        cluster.wait_for_nodes()
+
+
+def _use_helper():
+    import ray_test_helper
+
+    return ray_test_helper.ANSWER
+
+
+def test_runtime_env_brings_a_module_to_the_nodes(cluster, tmp_path):
+    package = tmp_path / "ray_test_helper"
+    package.mkdir()
+    (package / "__init__.py").write_text("ANSWER = 42\n")
+    env = {"py_modules": [str(package)]}
+    with pytest.raises(LaunchFailedError, match="No module named 'ray_test_helper'"):
+        notebook_launcher(_use_helper, num_processes=2, engine="ray", sinks=[Recorder()])
+    # Connected by the user (the fixture): Ray uploads a local folder only for a job, so we say where to put it.
+    with pytest.raises(LaunchConfigError, match=r"pass the runtime_env to your ray.init\(runtime_env=...\)"):
+        notebook_launcher(_use_helper, num_processes=2, engine="ray", runtime_env=env, sinks=[Recorder()])
+    ray.shutdown()
+    try:  # not connected: the launch connects with it as the job's, and keeps the connection
+        results = notebook_launcher(_use_helper, num_processes=2, engine="ray", ray_address=cluster.address,
+                                    runtime_env=env, sinks=[Recorder()])  # fmt: skip
+        assert results == [42, 42] and ray.is_initialized()
+        again = notebook_launcher(_use_helper, num_processes=2, engine="ray", runtime_env=env, sinks=[Recorder()])
+        assert again == [42, 42]
+        assert _nothing_of_ours_left()
+    finally:
+        ray.shutdown()
+        ray.init(address=cluster.address)
+
+
+def _talk():
+    import os
+    import sys
+
+    rank = int(os.environ["RANK"])
+    print(f"hello from rank {rank}")
+    print(f"warning from rank {rank}", file=sys.stderr)
+    os.write(1, f"c-level line from rank {rank}\n".encode())
+    return rank
+
+
+def test_each_ranks_output_reaches_the_events_once(cluster, capfd):
+    sink = Recorder()
+    assert notebook_launcher(_talk, num_processes=2, engine="ray", sinks=[sink]) == [0, 1]
+    lines = {(e.rank, e.stream, e.text) for e in sink.of(ev.RankOutput)}
+    for rank in (0, 1):
+        assert {(rank, "stdout", f"hello from rank {rank}"), (rank, "stderr", f"warning from rank {rank}"),
+                (rank, "stdout", f"c-level line from rank {rank}")} <= lines  # fmt: skip
+    assert len(sink.of(ev.RankOutput)) == len(lines)  # no line twice
+    time.sleep(2)  # Ray's log forwarding to the driver would have printed by now
+    printed = capfd.readouterr()
+    assert "hello from rank" not in printed.out + printed.err
+    started = sink.of(ev.LaunchStarted)[0]
+    assert (started.start_method, started.world_size) == ("ray", 2)
+    assert [type(e) for e in sink.events][-1] is ev.LaunchFinished and sink.events[-1].ok
+
+
+def _fail_on_rank_1():
+    import os
+    import time
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one says no")
+    time.sleep(60)
+
+
+def test_a_rank_that_raises_is_named_with_its_node_and_the_others_stop(cluster):
+    sink = Recorder()
+    started = time.monotonic()
+    with pytest.raises(LaunchFailedError) as caught:
+        notebook_launcher(_fail_on_rank_1, num_processes=2, engine="ray", sinks=[sink])
+    assert time.monotonic() - started < 50  # rank 0 (sleeping 60 s) was stopped, not waited for
+    text = str(caught.value)
+    assert "rank 1 on node " in text and "raised ValueError: rank one says no" in text
+    assert 'raise ValueError("rank one says no")' in text  # the rank's own traceback
+    assert [e.rank for e in sink.of(ev.RankStopped)] == [0]
+    assert sink.events[-1].ok is False and sink.events[-1].failed_ranks == (1,)
+    assert _nothing_of_ours_left()
+
+
+def _die_on_rank_0():
+    import os
+    import signal
+    import time
+
+    if os.environ["RANK"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def test_a_rank_whose_process_dies_is_named(cluster):
+    with pytest.raises(LaunchFailedError, match=r"rank 0 on node .* failed: its Ray actor died"):
+        notebook_launcher(_die_on_rank_0, num_processes=2, engine="ray", sinks=[Recorder()])
+    assert _nothing_of_ours_left()
+
+
+def _sleep():
+    import time
+
+    time.sleep(120)
+
+
+def test_the_timeout_ends_every_actor(cluster):
+    sink = Recorder()
+    with pytest.raises(LaunchTimeoutError, match=r"timed out after 5 s"):
+        notebook_launcher(_sleep, num_processes=2, engine="ray", timeout=5, sinks=[sink])
+    assert sorted(e.rank for e in sink.of(ev.RankStopped)) == [0, 1]
+    assert _nothing_of_ours_left()
+
+
+def test_more_than_the_cluster_holds_fails_at_once(cluster):
+    with pytest.raises(LaunchConfigError, match=r"CPU: 6 wanted, 2 in the cluster"):
+        notebook_launcher(_talk, num_processes=3, engine="ray", resources_per_rank={"CPU": 2}, sinks=[Recorder()])
+    with pytest.raises(LaunchConfigError, match=r"GPU: 2 wanted, 0 in the cluster"):
+        notebook_launcher(_talk, num_processes=2, engine="ray", resources_per_rank={"CPU": 1, "GPU": 1},
+                          sinks=[Recorder()])  # fmt: skip
+    with pytest.raises(LaunchConfigError, match=r"no node has \{'CPU': 2\} for one rank"):
+        notebook_launcher(_talk, num_processes=1, engine="ray", resources_per_rank={"CPU": 2}, sinks=[Recorder()])
+    assert _nothing_of_ours_left()
+
+
+_NO_CLUSTER = """
+from notebook_accel import notebook_launcher
+from notebook_accel.launch.errors import LaunchConfigError
+try:
+    notebook_launcher(print, num_processes=2, engine="ray", ray_address="127.0.0.1:1")
+except LaunchConfigError as exc:
+    print("REFUSED", exc)
+"""
+
+
+def test_no_cluster_at_the_address_says_how_to_start_one(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-c", _NO_CLUSTER], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)  # fmt: skip
+    assert "REFUSED no Ray cluster answers at ray_address='127.0.0.1:1'" in run.stdout, run.stdout + run.stderr
+    assert "ray start --head" in run.stdout
+
+
+_WITHOUT_RAY = """
+import sys
+sys.modules["ray"] = None  # as if not installed
+import notebook_accel
+from notebook_accel.launch.errors import LaunchConfigError
+try:
+    notebook_accel.notebook_launcher(print, num_processes=2, engine="ray")
+except LaunchConfigError as exc:
+    print("REFUSED", exc)
+"""
+
+
+def test_without_ray_the_error_gives_the_install_line(tmp_path):
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_RAY], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)  # fmt: skip
+    assert "REFUSED engine='ray' needs Ray, which is not installed here: pip install 'notebook_accel[ray]'" in (
+        run.stdout
+    ), run.stdout + run.stderr
+
+
+def test_importing_the_package_does_not_import_ray(tmp_path):
+    code = "import sys, notebook_accel, notebook_accel.launch.starters; print('ray' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.stdout.strip() == "False", run.stderr

@@ -44,7 +44,7 @@ def magic(monkeypatch):
     def fake_launcher(function, args=(), **kwargs):
         signature.bind(function, args, **kwargs)  # a keyword notebook_launcher lacks: TypeError
         calls.append((function, args, kwargs))
-        if kwargs.get("use_port") != "auto":  # the plan would check that the port is free
+        if kwargs.get("use_port") != "auto" and kwargs.get("engine") != "ray":  # the plan would check the port
             kwargs = {**kwargs, "use_port": "auto"}
         make_plan(**{k: v for k, v in kwargs.items() if k != "timeout"})
         return [{name: f"{name} from rank 0" for name in function.out}, None]
@@ -60,7 +60,7 @@ def magic(monkeypatch):
     return run
 
 
-FORK_DEFAULTS = {"num_processes": None, "start_method": "fork", "timeout": None}
+FORK_DEFAULTS = {"num_processes": None, "timeout": None}  # no start_method: notebook_launcher's fork
 
 
 @pytest.mark.timeout(60)
@@ -80,7 +80,13 @@ FORK_DEFAULTS = {"num_processes": None, "start_method": "fork", "timeout": None}
         ),
         ("--max-restarts 1", {"max_restarts": 1}, True),
         ("--max-restarts 0", {"max_restarts": 0}, False),
-        ("--start-method fork", {}, False),
+        ("--start-method fork", {"start_method": "fork"}, False),
+        ("--engine ray -n 4", {"engine": "ray", "num_processes": 4}, True),
+        (
+            "-n 2 --engine ray --ray-address ray://head:10001 --placement strict_spread",
+            {"num_processes": 2, "engine": "ray", "ray_address": "ray://head:10001", "placement": "strict_spread"},
+            True,
+        ),
         ("--start-method spawn", {"start_method": "spawn"}, True),
         ("--start-method forkserver", {"start_method": "forkserver"}, True),
         ("--mixed-precision bf16", {"mixed_precision": "bf16"}, False),

@@ -270,3 +270,63 @@ def test_importing_the_package_does_not_import_ray(tmp_path):
     code = "import sys, notebook_accel, notebook_accel.launch.starters; print('ray' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.stdout.strip() == "False", run.stderr
+
+
+_SCRIPT = """
+import sys
+import torch
+from notebook_accel import Accelerator
+
+accelerator = Accelerator()
+total = accelerator.reduce(torch.tensor([1.0]))
+print(f"script rank {accelerator.process_index} of {accelerator.num_processes} says {sys.argv[1]}: {total.item()}")
+if len(sys.argv) > 2 and accelerator.process_index == 1:
+    raise RuntimeError("told to fail")
+"""
+
+
+def test_the_command_line_launches_a_script_on_the_cluster(cluster, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    cli = [sys.executable, "-m", "notebook_accel.commands.cli", "launch", "--engine", "ray", "--num_processes", "2"]
+    run = subprocess.run([*cli, "--placement", "strict_spread", str(script), "hi"], capture_output=True, text=True,
+                         timeout=180, env=env, cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] script rank {rank} of 2 says hi: 2.0" in run.stdout
+    failed = subprocess.run([*cli, str(script), "hi", "fail"], capture_output=True, text=True, timeout=180,
+                            env=env, cwd=tmp_path)  # fmt: skip
+    assert failed.returncode == 1
+    assert "rank 1 on node" in failed.stderr and "RuntimeError: told to fail" in failed.stderr
+    assert 'raise RuntimeError("told to fail")' in failed.stderr  # the script's line, though the node has no copy
+    refused = subprocess.run([*cli, "--num_machines", "2", str(script), "hi"], capture_output=True, text=True,
+                             timeout=180, env=env, cwd=tmp_path)  # fmt: skip
+    assert refused.returncode == 2 and "num_nodes cannot be given with it" in refused.stderr
+    assert _nothing_of_ours_left()
+
+
+def test_the_cell_magic_runs_on_ray_and_a_fork_launch_still_works_after(cluster, kernel):
+    from kernels import run
+
+    _, kc = kernel
+    connect = f"%load_ext notebook_accel\nimport ray\nray.init(address={cluster.address!r})\noffset = 5"
+    setup = run(kc, connect, timeout=120)
+    assert not setup["errors"], setup["errors"]
+    cell = (
+        "%%accelerate -n 2 --engine ray --placement strict_spread --out y\n"
+        "import os\ny = offset + int(os.environ['RANK'])\nprint('ray cell', os.environ['RANK'])"
+    )
+    seen = run(kc, cell, timeout=180)
+    assert not seen["errors"], seen["errors"]
+    assert "[rank 0] ray cell 0" in seen["text"] and "[rank 1] ray cell 1" in seen["text"]
+    assert run(kc, "print(y)")["text"].strip() == "5"  # rank 0's y
+    # Ray's threads now live in the kernel: a fork launch still works, and its ranks leave Ray's alone.
+    forked = run(kc, "%%accelerate -n 2\nimport os\nprint('forked', os.environ['RANK'])", timeout=120)
+    assert not forked["errors"], forked["errors"]
+    assert "[rank 0] forked 0" in forked["text"] and "[rank 1] forked 1" in forked["text"]
+    # ... the kernel's own Ray connection is whole: a forked rank running Ray's atexit shutdown would break it.
+    again = run(kc, "%%accelerate -n 2 --engine ray\nprint('again')", timeout=180)
+    assert not again["errors"], again["errors"]
+    assert "[rank 1] again" in again["text"]
+    assert _nothing_of_ours_left()

@@ -2,7 +2,8 @@
 
 Each rank runs the script as `python script.py args` would (`__name__ == "__main__"`, `sys.argv`),
 so output comes back as `[rank N] line` and a failing rank is reported with its traceback, as
-notebook_launcher does. Several machines or restarts go through torch elastic.
+notebook_launcher does. Several machines or restarts go through torch elastic; `--engine ray` runs
+the ranks on a Ray cluster (the script's text travels with the launch).
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--start_method",
         choices=("fork", "spawn", "forkserver"),
-        default="fork",
+        default=None,
         help="how ranks start (default fork: this process has computed nothing)",
     )
+    _add_ray_arguments(p)
     _add_fsdp_arguments(p)
     p.add_argument(
         "-m", "--module", action="store_true", help="treat the script as a module name, as `python -m`"
@@ -98,6 +100,84 @@ _FSDP_FLAGS = (
     ),
     ("fsdp_offload_params", {"help": "true: keep sharded parameters in host memory (needs an accelerator)"}),
 )
+
+
+def _add_ray_arguments(p) -> None:
+    group = p.add_argument_group("Ray (engine ray: the ranks as actors on a Ray cluster; see docs/ray.md)")
+    group.add_argument("--engine", choices=("ray",), default=None, help="ray: run the ranks on a Ray cluster")
+    group.add_argument(
+        "--ray_address",
+        "--ray-address",
+        dest="ray_address",
+        default=None,
+        help="the cluster (default: $RAY_ADDRESS, else 'auto')",
+    )
+    group.add_argument(
+        "--resources_per_rank",
+        type=_json_dict,
+        default=None,
+        metavar="JSON",
+        help='Ray resources of one rank, like \'{"CPU": 1, "GPU": 1}\' (default {"CPU": 1})',
+    )
+    group.add_argument(
+        "--placement",
+        choices=("pack", "spread", "strict_pack", "strict_spread"),
+        default=None,
+        help="how Ray places the ranks (default pack)",
+    )
+    group.add_argument(
+        "--runtime_env",
+        type=_json_dict,
+        default=None,
+        metavar="JSON",
+        help='Ray\'s runtime_env for the ranks, like \'{"working_dir": "."}\'',
+    )
+
+
+def _json_dict(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object, like '{{\"CPU\": 1}}'")
+    return value
+
+
+def _ray_kwargs(args: argparse.Namespace) -> dict:
+    """make_plan's Ray arguments, and the placing flags as given (make_plan refuses them with Ray)."""
+    out = {
+        "engine": "ray",
+        "ray_address": args.ray_address,
+        "resources_per_rank": args.resources_per_rank,
+        "runtime_env": args.runtime_env,
+        "placement": args.placement or "pack",
+    }
+    placing = {
+        "num_nodes": args.num_machines,
+        "node_rank": args.machine_rank,
+        "master_addr": args.main_process_ip,
+        "use_port": args.main_process_port,
+        "rdzv_backend": args.rdzv_backend,
+        "gpu_ids": args.gpu_ids,
+        "max_restarts": args.max_restarts,
+        "start_method": args.start_method,
+    }
+    out.update({k: v for k, v in placing.items() if v is not None})
+    given = {
+        "num_processes": args.num_processes,
+        "cpu": args.cpu,
+        "mixed_precision": args.mixed_precision,
+        "debug": args.debug,
+        "stall_after": args.stall_after,
+    }
+    out.update({k: v for k, v in given.items() if v is not None})
+    fsdp = _fsdp_setting(args)
+    if fsdp is not None:
+        out["fsdp"] = fsdp
+    return out
 
 
 def _add_fsdp_arguments(p) -> None:
@@ -135,6 +215,32 @@ def run_script(target: str, argv: list, as_module: bool) -> int:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
+    return 0
+
+
+def run_source(target: str, source: str, argv: list) -> int:
+    """run_script for a rank on another machine (engine ray): the script's text travels with the
+    launch, so the node needs no copy of it; it runs as `python script.py` would."""
+    import linecache
+    import types
+
+    sys.argv = [target, *argv]
+    folder = os.path.dirname(os.path.abspath(target))
+    if os.path.isdir(folder):
+        sys.path.insert(0, folder)  # as `python script.py` does, where the folder is there too
+    linecache.cache[target] = (len(source), None, source.splitlines(True), target)  # for tracebacks
+    main = types.ModuleType("__main__")
+    main.__file__ = target
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(source, target, "exec"), main.__dict__)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
     return 0
 
 
@@ -191,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         parser.error(f"script {target!r} not found")
     try:
         config = cfg.load_config(args.config_file) if args.config_file else cfg.load_default()
-        kwargs = _launch_kwargs(args, config)
+        kwargs = _ray_kwargs(args) if args.engine == "ray" else _launch_kwargs(args, config)
     except cfg.ConfigError as exc:
         print(f"notebook-accel launch: {exc}", file=sys.stderr)
         return 1
@@ -203,8 +309,9 @@ def run(args: argparse.Namespace) -> int:
     # one thread here tells the plan so (it cannot know otherwise) and ranks get cores // N threads.
     torch.set_num_threads(1)
     try:
+        if args.engine != "ray" and args.start_method is not None:
+            kwargs["start_method"] = args.start_method
         plan = make_plan(
-            start_method=args.start_method,
             monitor_interval=args.monitor_interval,
             rdzv_id="notebook-accel-launch",
             config_file=args.config_file,
@@ -216,7 +323,11 @@ def run(args: argparse.Namespace) -> int:
     sink = Fanout([ConsoleSink(max_line=None)])
     send_notes(plan, sink)
     try:
-        run_plan(plan, run_script, (target, list(args.training_script_args), args.module), sink)
+        if plan.engine == "ray" and not args.module:
+            with open(target, encoding="utf-8") as f:
+                run_plan(plan, run_source, (target, f.read(), list(args.training_script_args)), sink)
+        else:
+            run_plan(plan, run_script, (target, list(args.training_script_args), args.module), sink)
     except LaunchFailedError as exc:
         print(f"notebook-accel launch: {target} failed\n{exc}", file=sys.stderr)
         return 1

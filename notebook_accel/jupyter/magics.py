@@ -32,6 +32,9 @@ LAUNCH_ONLY = (
     "max_restarts",
     "port",
     "gpu_ids",
+    "engine",
+    "ray_address",
+    "placement",
 )
 
 
@@ -61,10 +64,13 @@ def cell_parser() -> argparse.ArgumentParser:
         default=None,
         help="processes on this machine (default: as notebook_launcher decides)",
     )
-    p.add_argument("--start-method", choices=START_METHODS, default="fork")
+    p.add_argument("--start-method", choices=START_METHODS, default=None, help="how ranks start (default fork)")
     p.add_argument("--mixed-precision", choices=PRECISIONS, default=None)
     p.add_argument("--cpu", action="store_true", help="run on CPU even where accelerators exist")
     p.add_argument("--fsdp", action="store_true", help="FSDP on for this launch (settings from the config)")
+    p.add_argument("--engine", choices=("ray",), default=None, help="ray: the ranks as actors on a Ray cluster")
+    p.add_argument("--ray-address", default=None, help="with --engine ray: the cluster (default: $RAY_ADDRESS, auto)")
+    p.add_argument("--placement", choices=("pack", "spread", "strict_pack", "strict_spread"), default=None)
     p.add_argument("--num-nodes", type=_positive, default=None)
     p.add_argument("--node-rank", type=_int, default=None)
     p.add_argument("--rdzv-endpoint", default="", help="host:port where the nodes meet")
@@ -93,8 +99,12 @@ def start_parser() -> argparse.ArgumentParser:
 
 def launch_kwargs(args: argparse.Namespace) -> dict:
     """Only what the cell set: everything else keeps notebook_launcher's defaults and config."""
-    kwargs = {"num_processes": args.num_processes, "start_method": args.start_method, "timeout": args.timeout}
+    kwargs = {"num_processes": args.num_processes, "timeout": args.timeout}
     optional = {
+        "start_method": args.start_method,
+        "engine": args.engine,
+        "ray_address": args.ray_address,
+        "placement": args.placement,
         "mixed_precision": args.mixed_precision,
         "num_nodes": args.num_nodes,
         "node_rank": args.node_rank,
@@ -140,7 +150,7 @@ class AccelerateMagics(Magics):
                 for name in LAUNCH_ONLY
                 if getattr(args, name) not in (None, False, "")
             ]
-            if given or args.start_method != "fork":
+            if given or args.start_method is not None:
                 raise UsageError(
                     f"%%accelerate: {', '.join(given or ['--start-method'])} set(s) up a fresh launch, but a session "
                     f"with {running.world} workers is running: %accelerate stop first, or leave them out."
@@ -158,7 +168,12 @@ class AccelerateMagics(Magics):
         filename = shell.compile.cache(cell, number)  # IPython's own name for this cell's code
         label = f"Cell In[{number}]"
         kwargs = launch_kwargs(args)
-        travels = args.start_method != "fork" or (args.max_restarts or 0) > 0 or (args.num_nodes or 1) > 1
+        travels = (
+            (args.start_method or "fork") != "fork"
+            or (args.max_restarts or 0) > 0
+            or (args.num_nodes or 1) > 1
+            or args.engine == "ray"
+        )
         if travels:  # the cell and the names it reads are pickled; fail here, naming the culprit
             namespace = cell_jobs.travelling_namespace(cell, filename, shell.user_ns)
             job = cell_jobs.CellJob(cell, filename, args.out, namespace)

@@ -1,6 +1,6 @@
 """Binder's environment: binder/requirements.txt resolves, on this machine, to what the notebooks
 need: the CPU build of torch (none of the CUDA build's nvidia wheels) and this repository's package
-with its notebooks extra.
+with its notebooks and ray extras.
 
 repo2docker installs that file in its Python 3.11 environment, which has node 20 on PATH, so
 `pip install .` there builds the JupyterLab extension (tools/labextension_build.py); a build with and
@@ -30,7 +30,7 @@ def test_requirements_resolve_to_what_the_notebooks_import(tmp_path):
     lines = REQUIREMENTS.read_text().splitlines()
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines  # Binder has no GPU
     assert any(line.startswith("torch==") and line.endswith("+cpu") for line in lines), lines
-    assert ".[notebooks]" in lines, lines
+    assert ".[notebooks,ray]" in lines, lines
     runtime = (ROOT / "binder" / "runtime.txt").read_text().strip()
     assert runtime == f"python-{sys.version_info.major}.{sys.version_info.minor}", runtime
 
@@ -49,5 +49,5 @@ def test_requirements_resolve_to_what_the_notebooks_import(tmp_path):
     resolved = {_name(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
     assert resolved["torch"].endswith("+cpu"), resolved.get("torch")
     assert not [n for n in resolved if n.startswith("nvidia-")], sorted(resolved)
-    for needed in ("notebook-accel", "ipykernel", "ipywidgets", "matplotlib", "tqdm"):
+    for needed in ("notebook-accel", "ipykernel", "ipywidgets", "matplotlib", "tqdm", "ray"):
         assert needed in resolved, (needed, sorted(resolved))

@@ -43,6 +43,7 @@ SKIPPED = {
     "docs/fsdp.md": (0, 0),
     "docs/launching.md": (1, 1),
     "docs/panels-and-logs.md": (1, 0),
+    "docs/ray.md": (1, 1),
     "docs/troubleshooting.md": (3, 0),
 }
 CELL_TIMEOUT_S = 60

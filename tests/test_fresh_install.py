@@ -9,7 +9,8 @@ From a fresh clone's files (what git tracks, so no node_modules and no built ext
 The wheel goes into a fresh venv with nothing else but the pinned CPU torch (an unpinned one is a
 multi-GB CUDA build). There, each notebook's install cell adds what the plain install lacks, and the
 notebooks run in a kernel of that venv. fsdp runs its install cell and imports only: in full it is
-the slowest notebook by far, and tests/test_notebook_fsdp.py runs it in the dev venv.
+the slowest notebook by far, and tests/test_notebook_fsdp.py runs it in the dev venv; so does
+ray_cluster (its install cell adds Ray here), whose cluster runs in the ray tier alone (tests/test_ray_engine.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import labextension_build  # noqa: E402
 import notebook_header  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-FULL_RUNS = [p for p in NOTEBOOKS if p.stem != "fsdp"]
+FULL_RUNS = [p for p in NOTEBOOKS if p.stem not in ("fsdp", "ray_cluster")]
 SHARE = "share/jupyter/labextensions/notebook-accel-labextension"
 EXTRAS = ("matplotlib", "tqdm")  # the notebooks extra: what a plain install lacks
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)

@@ -203,17 +203,60 @@ def test_a_rank_whose_process_dies_is_named(cluster):
     assert _nothing_of_ours_left()
 
 
-def _sleep():
+def test_the_timeout_ends_every_actor(cluster):
+    # The clock starts before the actors do (their start counts), so it is long enough for both to be
+    # running on a busy machine: then both are stopped mid-function.
+    sink = Recorder()
+    with pytest.raises(LaunchTimeoutError, match=r"timed out after 30 s"):
+        notebook_launcher(_print_then_sleep, num_processes=2, engine="ray", timeout=30, sinks=[sink])
+    assert sorted(e.rank for e in sink.of(ev.RankOutput) if e.text == "started") == [0, 1]
+    assert sorted(e.rank for e in sink.of(ev.RankStopped)) == [0, 1]
+    assert _nothing_of_ours_left()
+
+
+def test_a_busy_cluster_is_waited_for_with_a_notice_until_the_timeout(cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    busy = placement_group([{"CPU": 1}, {"CPU": 1}])  # someone else's: every CPU taken
+    ray.get(busy.ready(), timeout=60)
+    sink = Recorder()
+    try:
+        with pytest.raises(LaunchTimeoutError, match=r"while waiting for the cluster to place the ranks \(CPU 2 wanted, 0 free"):
+            notebook_launcher(_talk, num_processes=2, engine="ray", timeout=5, sinks=[sink])
+    finally:
+        remove_placement_group(busy)
+    assert any("waiting for the Ray cluster to place the ranks" in e.text for e in sink.of(ev.LaunchNotice))
+    time.sleep(1)
+    assert _nothing_of_ours_left()
+
+
+class StopOnOutput(Recorder):
+    """The panel's Stop button: asks the launch to stop once a rank has printed."""
+
+    def attach(self, control):
+        self.control = control
+
+    def handle(self, event):
+        super().handle(event)
+        if isinstance(event, ev.RankOutput):
+            self.control.request_stop("the Stop button")
+
+
+def _print_then_sleep():
     import time
 
+    print("started", flush=True)
     time.sleep(120)
 
 
-def test_the_timeout_ends_every_actor(cluster):
-    sink = Recorder()
-    with pytest.raises(LaunchTimeoutError, match=r"timed out after 5 s"):
-        notebook_launcher(_sleep, num_processes=2, engine="ray", timeout=5, sinks=[sink])
+def test_stop_ends_every_actor(cluster):
+    from notebook_accel.launch.errors import LaunchStoppedError
+
+    sink = StopOnOutput()
+    with pytest.raises(LaunchStoppedError, match="the Stop button"):
+        notebook_launcher(_print_then_sleep, num_processes=2, engine="ray", sinks=[sink])
     assert sorted(e.rank for e in sink.of(ev.RankStopped)) == [0, 1]
+    assert sink.events[-1].stopped == "the Stop button"
     assert _nothing_of_ours_left()
 
 
@@ -330,3 +373,21 @@ def test_the_cell_magic_runs_on_ray_and_a_fork_launch_still_works_after(cluster,
     assert not again["errors"], again["errors"]
     assert "[rank 1] again" in again["text"]
     assert _nothing_of_ours_left()
+
+
+@pytest.mark.timeout(600)
+def test_the_ray_cluster_notebook_runs(tmp_path, monkeypatch):
+    # It starts and stops its own cluster, in its own kernel: this module's cluster is not needed.
+    import shutil
+
+    from notebook_accel.demo import run_notebook
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    work = tmp_path / "ray_cluster.ipynb"
+    shutil.copy(os.path.join(root, "notebooks", "ray_cluster.ipynb"), work)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    nb, error = run_notebook(str(work), timeout=300)
+    assert error is None, error
+    text = "\n".join("".join(o.get("text", "")) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "one rank per node, identical weights" in text and "rank 0 said: rank 0 of 2 on node 0" in text
+    assert "cluster stopped" in text

@@ -39,6 +39,7 @@ PIP_NAMES = {
     "notebook_accel": f"notebook_accel[notebooks] @ git+{GITHUB}{REPO}",
     "torch": "torch", "numpy": "numpy", "psutil": "psutil", "safetensors": "safetensors",
     "IPython": "ipython", "yaml": "pyyaml", "matplotlib": "matplotlib", "tqdm": "tqdm",
+    "ray": "ray[default]",  # what the package's `ray` extra installs
 }  # fmt: skip
 IMPORT = re.compile(r"\s*(?:from\s+([\w.]+)\s+import\b|import\s+([\w.]+(?:\s+as\s+\w+)?(?:\s*,\s*[\w.]+(?:\s+as\s+\w+)?)*))")
 

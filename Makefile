@@ -106,15 +106,16 @@ lint: $(STAMP)
 lab: $(STAMP) labextension-dev
 	$(BIN)/jupyter lab --notebook-dir notebooks
 
-# Benchmarks run in their own venv: accelerate 1.15.0 and ipyparallel 9.2.0 are installed only there, to
-# measure against.
+# Benchmarks run in their own venv: accelerate 1.15.0, ipyparallel 9.2.0 and Ray Train (ray[train] 2.60.0,
+# for TorchTrainer) are installed only there, to measure against.
 BENCH_VENV := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
 $(BENCH_STAMP): pyproject.toml requirements-dev.txt Makefile
 	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install -q -r requirements-dev.txt accelerate==1.15.0 ipyparallel==9.2.0
+	$(BENCH_VENV)/bin/python -m pip install -q -r requirements-dev.txt accelerate==1.15.0 ipyparallel==9.2.0 \
+		"ray[train]==2.60.0"
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
@@ -124,6 +125,7 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python benchmarks/prefetch.py
 	$(BENCH_VENV)/bin/python benchmarks/session.py
 	$(BENCH_VENV)/bin/python benchmarks/fsdp.py
+	$(BENCH_VENV)/bin/python benchmarks/ray_engine.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(VENV312) $(VENV312).log .venv-binder build dist *.egg-info extension/node_modules extension/lib \

@@ -3,6 +3,7 @@ head and a second node of one CPU each here, so two ranks with one CPU each land
 One cluster serves the module; these tests form the "ray" tier and run alone (tests/tiers.py)."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -257,6 +258,62 @@ def test_stop_ends_every_actor(cluster):
         notebook_launcher(_print_then_sleep, num_processes=2, engine="ray", sinks=[sink])
     assert sorted(e.rank for e in sink.of(ev.RankStopped)) == [0, 1]
     assert sink.events[-1].stopped == "the Stop button"
+    assert _nothing_of_ours_left()
+
+
+def _hold_memory():
+    import time
+
+    block = bytearray(64 << 20)  # 64 MiB, touched
+    time.sleep(2.5)
+    return len(block)
+
+
+def test_each_ranks_resources_are_sampled_on_its_node(cluster):
+    sink = Recorder()
+    notebook_launcher(_hold_memory, num_processes=2, engine="ray", placement="strict_spread", sinks=[sink])
+    usage = sink.of(ev.RankResources)
+    assert {u.rank for u in usage} == {0, 1}
+    assert all(u.rss > 64 << 20 and u.memory_limit and u.cpu_percent >= 0 for u in usage)
+    assert all(f.peak_rss and f.peak_rss > 64 << 20 for f in sink.of(ev.RankFinished))
+
+
+def _report_node_then_wait(folder):
+    import os
+    import time
+
+    import ray
+
+    with open(os.path.join(folder, f"node{os.environ['RANK']}"), "w") as f:
+        f.write(ray.get_runtime_context().get_node_id())
+    time.sleep(120)
+
+
+def test_a_node_that_goes_away_names_its_ranks(cluster, tmp_path):
+    # A third node, the only one with the "doomed" resource: both ranks land there; then it is killed.
+    doomed = cluster.add_node(num_cpus=2, resources={"doomed": 2})
+    cluster.wait_for_nodes()
+    errors = []
+
+    def kill_when_running():
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("node*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cluster.remove_node(doomed, allow_graceful=False)
+
+    import threading
+
+    killer = threading.Thread(target=kill_when_running, daemon=True)
+    killer.start()
+    try:
+        notebook_launcher(_report_node_then_wait, (str(tmp_path),), num_processes=2, engine="ray",
+                          resources_per_rank={"CPU": 1, "doomed": 1}, sinks=[Recorder()])  # fmt: skip
+    except LaunchFailedError as exc:
+        errors.append(str(exc))
+    killer.join(timeout=30)
+    cluster.wait_for_nodes()
+    assert {(tmp_path / "node0").read_text(), (tmp_path / "node1").read_text()} == {doomed.node_id}
+    assert errors and re.search(r"rank [01] on node .* failed: its Ray actor died", errors[0]), errors
     assert _nothing_of_ours_left()
 
 

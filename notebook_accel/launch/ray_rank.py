@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 
 def versions() -> dict:
@@ -28,6 +29,7 @@ class RankActor:
         self._lock = threading.Lock()
         self._chunks: list = []  # (stream, bytes) read since the last `take`
         self._readers: list = []
+        self._sampler = None  # this process's resources, while `run` runs (launch/resources.py)
 
     def where(self) -> dict:
         """Where this rank runs: its node, address, GPUs, pid and versions."""
@@ -46,18 +48,31 @@ class RankActor:
 
         return free_port()
 
-    def take(self) -> list:
+    def take(self) -> tuple:
+        """(the output since the last call as (stream, bytes) pieces, a RankResources or None): the
+        resources are sampled here, on the rank's node, at most once a second, as the launcher
+        samples a local rank's."""
         with self._lock:
             chunks, self._chunks = self._chunks, []
-        return chunks
+            sampler = self._sampler
+        usage = None
+        if sampler is not None and sampler.due(time.monotonic()):
+            usage = next(iter(sampler.sample(time.monotonic(), list(sampler.ranks))), None)
+        return chunks, usage
 
     def run(self, env: dict, threads: int, payload: bytes) -> tuple:
         """("result", body, buffers) or ("error", report): as a forked rank reports on its socket."""
+        from .resources import ResourceSampler
+
+        with self._lock:
+            self._sampler = ResourceSampler({int(env["RANK"]): os.getpid()})
         saved = self._capture()
         try:
             return _run(env, threads, payload)
         finally:
             self._release(saved)
+            with self._lock:
+                self._sampler = None
 
     def _capture(self) -> tuple:
         from .child import flush_output

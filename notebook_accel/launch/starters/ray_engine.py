@@ -103,6 +103,7 @@ class RayLaunch:
         self.ranks: list = []  # rank -> bundle index
         self.where: list = []  # rank -> the actor's `where` answer
         self.splitters: dict = {}
+        self.peak_rss: dict = {}  # rank -> the highest RSS its node reported
 
     # -- placing -------------------------------------------------------------------------------
     def place(self) -> None:
@@ -214,7 +215,9 @@ class RayLaunch:
                 if outcome[0] == "result":
                     # Ray hands back bytes: a tensor must not be built on read-only memory.
                     results[rank] = loads_result(outcome[1], [bytearray(b) for b in outcome[2]])
-                    self.sink.handle(ev.RankFinished(rank, time.monotonic() - started))
+                    self.sink.handle(
+                        ev.RankFinished(rank, time.monotonic() - started, self.peak_rss.get(rank))
+                    )
                 else:
                     self._fail(rank, outcome, sorted(running.values()))
             self._check_stop("", sorted(running.values()))
@@ -232,7 +235,9 @@ class RayLaunch:
         where = self.where[rank]
         if outcome[0] == "died":
             message = f"its Ray actor died ({outcome[1]})"
-            report = ev.RankFailed(rank, where["pid"], None, message=message, node=_node(where))
+            report = ev.RankFailed(
+                rank, where["pid"], None, message=message, node=_node(where), peak_rss=self.peak_rss.get(rank)
+            )
         else:
             error = outcome[1]
             report = ev.RankFailed(
@@ -242,6 +247,7 @@ class RayLaunch:
                 error["exc_type"],
                 error["message"],
                 error["traceback"],
+                peak_rss=self.peak_rss.get(rank),
                 node=_node(where),
             )
         self.sink.handle(report)
@@ -256,11 +262,14 @@ class RayLaunch:
         ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=TAKE_WAIT_S)
         for ref in ready:
             try:
-                chunks = self.ray.get(ref)
+                chunks, usage = self.ray.get(ref)
             except self.ray.exceptions.RayError:
                 continue  # the actor is gone: its run call says how
             for stream, data in chunks:
                 self._lines(refs[ref], stream, LineSplitter.feed, data)
+            if usage is not None:
+                self.peak_rss[refs[ref]] = max(self.peak_rss.get(refs[ref], 0), usage.rss)
+                self.sink.handle(usage)
 
     def _flush(self, rank: int) -> None:
         for stream in ("stdout", "stderr"):

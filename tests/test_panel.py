@@ -92,6 +92,15 @@ def test_status_through_the_lifecycle():
     assert '<span class="nacc-launch-status" data-status="done">finished in 2.8 s</span>' in p.header.value
 
 
+def test_a_ranks_node_shows_beside_its_pid_where_the_launch_names_it():
+    p = make()
+    p.handle(ev.RankStarted(0, 4242, "10.0.0.5 (1a2b3c4d)"))
+    p.handle(ev.RankStarted(1, 4243))
+    p.flush()
+    assert "<td>4242 on 10.0.0.5 (1a2b3c4d)</td>" in p.status_table.value
+    assert "<td>4243</td>" in p.status_table.value
+
+
 def test_a_notice_shows_in_the_header_until_ranks_start():
     p = make()
     p.handle(ev.LaunchNotice("node 0 of 2: waiting for the other nodes at 10.0.0.1:29500"))

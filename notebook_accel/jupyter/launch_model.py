@@ -71,11 +71,13 @@ class RankState:
         "bar_text",
         "bar_final",
         "usage",
+        "node",
     )
 
     def __init__(self, rank: int, max_lines: int, view_bytes: int = VIEW_BYTES):
         self.rank = rank
         self.pid: Optional[int] = None
+        self.node = ""  # the rank's machine, where the launch names it (Ray)
         self.state = "pending"
         self.detail = ""
         self.started: Optional[float] = None  # time.monotonic()
@@ -200,7 +202,7 @@ class LaunchModel:
             self.reset(event)
         elif isinstance(event, ev.RankStarted):
             r = self.rank(event.rank)
-            r.pid, r.state, r.started = event.pid, "running", time.monotonic()
+            r.pid, r.state, r.started, r.node = event.pid, "running", time.monotonic(), event.node
             if self.note == self.notice:  # "waiting for the other nodes" is over
                 self.note = ""
         elif isinstance(event, ev.RankResources):

@@ -338,7 +338,7 @@ class LaunchPanel(Sink):
             "launch": (m.state, m.note, m.stop_requested),
             "launch_elapsed": m.elapsed(now),
             "fsdp": m.fsdp,
-            "rows": [(r.rank, r.pid, r.state, r.detail, r.elapsed(now), dict(r.usage)) for r in ranks],
+            "rows": [(r.rank, _where(r), r.state, r.detail, r.elapsed(now), dict(r.usage)) for r in ranks],
             "logs": logs,
             "dropped": dropped,
             "current": [(r.rank, stream, text) for r in ranks for stream, text in sorted(r.current.items())],
@@ -418,3 +418,8 @@ def _clicks_arrive(button) -> bool:
 def _set(widget, name: str, value) -> None:
     if getattr(widget, name) != value:
         setattr(widget, name, value)
+
+
+def _where(rank) -> object:
+    """The pid cell: the pid, and the rank's node where the launch spans machines (Ray)."""
+    return f"{rank.pid} on {rank.node}" if rank.node and rank.pid is not None else rank.pid

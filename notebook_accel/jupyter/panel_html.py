@@ -101,7 +101,7 @@ def status_html(rows: list) -> str:
         label = f"{state} ({detail})" if detail else state
         cells = [
             f'<span class="nacc-prefix" style="color:{rank_color(rank)}">{rank}</span>',
-            "" if pid is None else str(pid),
+            "" if pid is None else esc(str(pid)),
             f'<span class="nacc-status" data-rank="{rank}" data-status="{state}"'
             f'{_stalled_attr(detail)}>{esc(label)}</span>',
             _seconds(elapsed, state == "running"),

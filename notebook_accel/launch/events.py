@@ -24,10 +24,12 @@ class LaunchStarted:
 
 @dataclass(frozen=True)
 class RankStarted:
-    """A rank's process is up (its pid) and about to run the function."""
+    """A rank's process is up (its pid) and about to run the function; `node` names its machine
+    where a launch spans several (a Ray launch), else ""."""
 
     rank: int
     pid: int
+    node: str = ""
 
 
 @dataclass(frozen=True)

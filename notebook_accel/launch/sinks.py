@@ -52,7 +52,8 @@ class ConsoleSink(Sink):
         elif isinstance(event, ev.LaunchResumed):
             sys.stderr.write("notebook_accel: the ranks moved again\n")
         elif self.show_lifecycle and isinstance(event, ev.RankStarted):
-            sys.stdout.write(f"[rank {event.rank}] started (pid {event.pid})\n")
+            where = f" on node {event.node}" if event.node else ""
+            sys.stdout.write(f"[rank {event.rank}] started (pid {event.pid}{where})\n")
 
     def close(self) -> None:
         for stream in (sys.stdout, sys.stderr):

@@ -201,7 +201,7 @@ class RayLaunch:
         started = time.monotonic()
         running = {}
         for rank, index in enumerate(self.ranks):
-            self.sink.handle(ev.RankStarted(rank, self.where[rank]["pid"]))
+            self.sink.handle(ev.RankStarted(rank, self.where[rank]["pid"], _node(self.where[rank])))
             running[self.actors[index].run.remote(envs[rank], self.plan.threads_per_process, body)] = rank
         results: list = [None] * len(self.ranks)
         while running:

@@ -138,6 +138,18 @@ def test_runtime_env_brings_a_module_to_the_nodes(cluster, tmp_path):
         ray.init(address=cluster.address)
 
 
+def _flag():
+    import os
+
+    return os.environ.get("NOTEBOOK_ACCEL_TEST_FLAG")
+
+
+def test_a_runtime_env_without_folders_goes_with_the_actors_of_a_users_connection(cluster):
+    env = {"env_vars": {"NOTEBOOK_ACCEL_TEST_FLAG": "on"}}
+    assert notebook_launcher(_flag, num_processes=2, engine="ray", runtime_env=env, sinks=[Recorder()]) == ["on", "on"]
+    assert notebook_launcher(_flag, num_processes=2, engine="ray", sinks=[Recorder()]) == [None, None]
+
+
 def _talk():
     import os
     import sys

@@ -68,3 +68,40 @@ def test_planning_a_ray_launch_does_not_import_ray():
     before = "ray" in sys.modules
     make_plan(num_processes=2, engine="ray")
     assert ("ray" in sys.modules) == before
+
+
+def _where(node, versions):
+    return {"node_id": node * 7, "ip": f"10.0.0.{len(node)}", "gpus": [], "pid": 1, "versions": versions}
+
+
+def test_a_node_with_other_versions_is_named_with_both():
+    from notebook_accel.launch.ray_rank import versions
+    from notebook_accel.launch.starters.ray_engine import RayLaunch
+
+    launch = RayLaunch(None, make_plan(num_processes=2, engine="ray"), sink=None, control=None)
+    here = versions()
+    launch._check_versions([_where("a", here), _where("bb", here)])  # the same everywhere: fine
+    other = {**here, "torch": "2.9.1"}
+    with pytest.raises(LaunchConfigError) as caught:
+        launch._check_versions([_where("a", here), _where("bb", other)])
+    text = str(caught.value)
+    assert "Ray node 10.0.0.2 (bbbbbbbbbbbb) runs notebook_accel" in text
+    assert "torch 2.9.1" in text and f"torch {here['torch']}" in text and "install the same versions" in text
+
+
+def test_ranks_are_numbered_node_by_node_with_one_device_list_a_node():
+    from notebook_accel.launch.starters.ray_engine import RayLaunch, order
+
+    launch = RayLaunch(None, make_plan(num_processes=4, engine="ray"), sink=None, control=None)
+    # Bundles 0..3 landed on nodes B, A, B, A: B is named first, so B's ranks come first.
+    where = [{"node_id": n, "ip": ip, "gpus": g, "pid": i, "versions": {}}
+             for i, (n, ip, g) in enumerate([("B", "10.0.0.2", ["1"]), ("A", "10.0.0.1", ["0"]),
+                                             ("B", "10.0.0.2", ["0"]), ("A", "10.0.0.1", ["3"])])]  # fmt: skip
+    launch.ranks, launch.nodes = order(where)
+    assert (launch.ranks, launch.nodes) == ([0, 2, 1, 3], ["B", "A"])
+    launch.where = [where[i] for i in launch.ranks]
+    envs = launch.rank_envs(29555)
+    assert [(e["RANK"], e["LOCAL_RANK"], e["NODE_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "0", "2"), ("1", "1", "0", "2"), ("2", "0", "1", "2"), ("3", "1", "1", "2")]  # fmt: skip
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["1,0", "1,0", "0,3", "0,3"]
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["WORLD_SIZE"]) for e in envs} == {("10.0.0.2", "29555", "4")}

@@ -136,11 +136,8 @@ class RayLaunch:
                 ) from None
         where = self._get([a.where.remote() for a in self.actors], "the ranks' actors to start")
         self._check_versions(where)
-        # Ranks node by node, in the order the bundles first name each node; bundle order within.
-        nodes = list(dict.fromkeys(w["node_id"] for w in where))
-        self.ranks = sorted(range(n), key=lambda i: (nodes.index(where[i]["node_id"]), i))
+        self.ranks, self.nodes = order(where)
         self.where = [where[i] for i in self.ranks]
-        self.nodes = nodes
 
     def _wait_for_group(self) -> None:
         ready, told, since = self.group.ready(), False, time.monotonic()
@@ -339,6 +336,14 @@ class RayLaunch:
             except self.ray.exceptions.GetTimeoutError:
                 return False
         return True
+
+
+def order(where: list) -> tuple:
+    """(the bundle index of each rank, the node ids in node-rank order) from each bundle's actor's
+    `where`: ranks node by node, in the order the bundles first name each node, bundle order within,
+    so a node's ranks have consecutive global ranks and local ranks 0, 1, ..."""
+    nodes = list(dict.fromkeys(w["node_id"] for w in where))
+    return sorted(range(len(where)), key=lambda i: (nodes.index(where[i]["node_id"]), i)), nodes
 
 
 def _node(where: dict) -> str:

@@ -23,12 +23,12 @@ import contextlib
 import io
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
 import time
 
+import timing  # benchmarks/timing.py: run as `python benchmarks/NAME.py`
 import torch  # the parent imports torch once, as a notebook kernel would; it runs no torch op
 
 LAUNCH_TIMEOUT_S = 120
@@ -126,24 +126,8 @@ def launch_accelerate(world: int, cpu: bool, seen: list, said: set) -> None:
                 seen.append(json.load(f))
 
 
-class _Timeout(Exception):
-    pass
-
-
-def _alarm(_signum, _frame):
-    raise _Timeout()
-
-
 def timed(call) -> float:
-    """Seconds `call()` took, or the seconds it returns (a sample measured in a child)."""
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(LAUNCH_TIMEOUT_S)  # a hang becomes a failed sample, not a stuck benchmark
-    try:
-        start = time.perf_counter()
-        measured = call()
-        return measured if isinstance(measured, float) else time.perf_counter() - start
-    finally:
-        signal.alarm(0)
+    return timing.timed(call, LAUNCH_TIMEOUT_S)
 
 
 # -- the forkserver started early, in a real kernel: one fresh kernel per sample ---------------

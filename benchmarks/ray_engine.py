@@ -32,11 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
 import time
+
+import timing  # benchmarks/timing.py: run as `python benchmarks/NAME.py`
 
 LAUNCH_TIMEOUT_S = 180
 SETTLE_TIMEOUT_S = 60.0
@@ -151,24 +152,8 @@ def launch_raw_actors(ray, actor_class, with_torch: bool) -> None:
         time.sleep(0.01)
 
 
-class _Timeout(Exception):
-    pass
-
-
-def _alarm(_signum, _frame):
-    raise _Timeout()
-
-
 def timed(call) -> float:
-    """Seconds `call()` took, or the seconds it returns (a sample it measured itself)."""
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(LAUNCH_TIMEOUT_S)  # a hang becomes a failed sample, not a stuck benchmark
-    try:
-        start = time.perf_counter()
-        measured = call()
-        return measured if isinstance(measured, float) else time.perf_counter() - start
-    finally:
-        signal.alarm(0)
+    return timing.timed(call, LAUNCH_TIMEOUT_S)
 
 
 def settle(ray) -> float:

@@ -83,8 +83,10 @@ FORK_DEFAULTS = {"num_processes": None, "timeout": None}  # no start_method: not
         ("--start-method fork", {"start_method": "fork"}, False),
         ("--engine ray -n 4", {"engine": "ray", "num_processes": 4}, True),
         (
-            "-n 2 --engine ray --ray-address ray://head:10001 --placement strict_spread",
-            {"num_processes": 2, "engine": "ray", "ray_address": "ray://head:10001", "placement": "strict_spread"},
+            "-n 2 --engine ray --ray-address ray://head:10001 --placement strict_spread "
+            "--resources-per-rank '{\"CPU\": 2}'",
+            {"num_processes": 2, "engine": "ray", "ray_address": "ray://head:10001", "placement": "strict_spread",
+             "resources_per_rank": {"CPU": 2}},
             True,
         ),
         ("--start-method spawn", {"start_method": "spawn"}, True),

@@ -58,12 +58,18 @@ def cluster():
     cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
-def _nothing_of_ours_left():
-    """No placement group of ours pending or created, and every CPU free again."""
+def _nothing_of_ours_left(seconds: float = 10.0):
+    """No placement group pending or created, and every CPU free again (within `seconds`: another
+    holder's removal, as a test's own, is not ours to have waited for)."""
     from ray.util.placement_group import placement_group_table
 
-    alive = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
-    return alive == [] and ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU") == 2
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+        free = ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU") == 2
+        if (alive == [] and free) or time.monotonic() > deadline:
+            return alive == [] and free
+        time.sleep(0.1)
 
 
 def _join_and_reduce(x):
@@ -145,9 +151,11 @@ def _flag():
 
 
 def test_a_runtime_env_without_folders_goes_with_the_actors_of_a_users_connection(cluster):
+    job = ray.get_runtime_context().get_job_id()  # the fixture's connection: the user's
     env = {"env_vars": {"NOTEBOOK_ACCEL_TEST_FLAG": "on"}}
     assert notebook_launcher(_flag, num_processes=2, engine="ray", runtime_env=env, sinks=[Recorder()]) == ["on", "on"]
     assert notebook_launcher(_flag, num_processes=2, engine="ray", sinks=[Recorder()]) == [None, None]
+    assert ray.get_runtime_context().get_job_id() == job  # never closed nor replaced by a launch
 
 
 def _talk():
@@ -239,7 +247,6 @@ def test_a_busy_cluster_is_waited_for_with_a_notice_until_the_timeout(cluster):
     finally:
         remove_placement_group(busy)
     assert any("waiting for the Ray cluster to place the ranks" in e.text for e in sink.of(ev.LaunchNotice))
-    time.sleep(1)
     assert _nothing_of_ours_left()
 
 
@@ -273,21 +280,29 @@ def test_stop_ends_every_actor(cluster):
     assert _nothing_of_ours_left()
 
 
-def _hold_memory():
+def _hold_memory(mib):
+    import os
     import time
 
-    block = bytearray(64 << 20)  # 64 MiB, touched
+    import psutil
+
+    before = psutil.Process().memory_info().rss
+    block = bytearray(os.urandom(1 << 20) * mib)  # touched
     time.sleep(2.5)
-    return len(block)
+    return before, len(block)
 
 
 def test_each_ranks_resources_are_sampled_on_its_node(cluster):
     sink = Recorder()
-    notebook_launcher(_hold_memory, num_processes=2, engine="ray", placement="strict_spread", sinks=[sink])
+    results = notebook_launcher(_hold_memory, (512,), num_processes=2, engine="ray", placement="strict_spread",
+                                sinks=[sink])  # fmt: skip
     usage = sink.of(ev.RankResources)
     assert {u.rank for u in usage} == {0, 1}
-    assert all(u.rss > 64 << 20 and u.memory_limit and u.cpu_percent >= 0 for u in usage)
-    assert all(f.peak_rss and f.peak_rss > 64 << 20 for f in sink.of(ev.RankFinished))
+    for rank, (before, held) in enumerate(results):  # the samples saw the rank's own 512 MiB
+        assert max(u.rss for u in usage if u.rank == rank) >= before + held * 0.9
+    assert all(u.memory_limit and u.cpu_percent >= 0 for u in usage)
+    assert all(f.peak_rss and f.peak_rss >= results[f.rank][0] + results[f.rank][1] * 0.9
+               for f in sink.of(ev.RankFinished))  # fmt: skip
 
 
 def _report_node_then_wait(folder):
@@ -326,6 +341,25 @@ def test_a_node_that_goes_away_names_its_ranks(cluster, tmp_path):
     cluster.wait_for_nodes()
     assert {(tmp_path / "node0").read_text(), (tmp_path / "node1").read_text()} == {doomed.node_id}
     assert errors and re.search(r"rank [01] on node .* failed: its Ray actor died", errors[0]), errors
+    assert _nothing_of_ours_left()
+
+
+def test_a_placement_the_nodes_could_never_satisfy_fails_at_once(cluster):
+    third = cluster.add_node(num_cpus=2)  # nodes of 1, 1 and 2 CPUs
+    cluster.wait_for_nodes()
+    try:
+        with pytest.raises(LaunchConfigError, match=r"placement='strict_spread' needs 4 nodes, and 3 hold a rank"):
+            notebook_launcher(_talk, num_processes=4, engine="ray", placement="strict_spread", sinks=[Recorder()])
+        with pytest.raises(LaunchConfigError, match=r"placement='strict_pack' needs one node for all 3, and a node "
+                                                    r"holds at most 2"):  # fmt: skip
+            notebook_launcher(_talk, num_processes=3, engine="ray", placement="strict_pack", sinks=[Recorder()])
+        with pytest.raises(LaunchConfigError, match=r"its nodes hold 1 such ranks in all \((0, ){2}1 a node\)|"
+                                                    r"its nodes hold 1 such ranks in all \(0, 1, 0 a node\)|"
+                                                    r"its nodes hold 1 such ranks in all \(1, 0, 0 a node\)"):  # fmt: skip
+            notebook_launcher(_talk, num_processes=2, engine="ray", resources_per_rank={"CPU": 2}, sinks=[Recorder()])
+    finally:
+        cluster.remove_node(third)
+        cluster.wait_for_nodes()
     assert _nothing_of_ours_left()
 
 
@@ -415,6 +449,10 @@ def test_the_command_line_launches_a_script_on_the_cluster(cluster, tmp_path):
     refused = subprocess.run([*cli, "--num_machines", "2", str(script), "hi"], capture_output=True, text=True,
                              timeout=180, env=env, cwd=tmp_path)  # fmt: skip
     assert refused.returncode == 2 and "num_nodes cannot be given with it" in refused.stderr
+    local = [sys.executable, "-m", "notebook_accel.commands.cli", "launch", "--num_processes", "2"]
+    unsaid = subprocess.run([*local, "--placement", "spread", str(script), "hi"], capture_output=True, text=True,
+                            timeout=180, env=env, cwd=tmp_path)  # fmt: skip
+    assert unsaid.returncode == 2 and "--placement only apply with --engine ray" in unsaid.stderr
     assert _nothing_of_ours_left()
 
 

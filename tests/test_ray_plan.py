@@ -1,5 +1,6 @@
 """engine="ray" in the plan: every bad argument fails before Ray is touched (launch/ray_plan.py)."""
 
+import re
 import sys
 
 import pytest
@@ -37,6 +38,9 @@ def test_an_unknown_engine_names_the_choices():
         ({"gpu_ids": "0"}, "gpu_ids"),
         ({"max_restarts": 1}, "max_restarts"),
         ({"pdb": True}, "pdb"),
+        ({"node_rank": 0}, "node_rank"),  # 0 is given too
+        ({"max_restarts": 0}, "max_restarts"),
+        ({"gpu_ids": 0}, "gpu_ids"),
     ],
 )
 def test_what_ray_places_itself_is_refused(given, named):
@@ -57,6 +61,8 @@ def test_what_ray_places_itself_is_refused(given, named):
         ({"resources_per_rank": {"GPU": 1}, "cpu": True}, r"asks for GPUs but cpu=True"),
         ({"num_processes": None}, r"engine='ray' needs num_processes"),
         ({"num_processes": 0}, r"num_processes"),
+        ({"resources_per_rank": {"CPU": 1, "GPU": 0.5}}, r"GPU must be a whole number"),
+        ({"resources_per_rank": {"CPU": 0.00001}}, r"Ray counts CPU in steps of 0.0001"),
     ],
 )
 def test_bad_ray_arguments_are_named(given, says):
@@ -64,10 +70,23 @@ def test_bad_ray_arguments_are_named(given, says):
         make_plan(**{"num_processes": 2, "engine": "ray", **given})
 
 
-def test_planning_a_ray_launch_does_not_import_ray():
-    before = "ray" in sys.modules
-    make_plan(num_processes=2, engine="ray")
-    assert ("ray" in sys.modules) == before
+@pytest.mark.parametrize(
+    "given, named",
+    [
+        ({"ray_address": "auto"}, "ray_address='auto'"),
+        ({"placement": "spread"}, "placement='spread'"),
+        ({"resources_per_rank": {"CPU": 1}}, "resources_per_rank={'CPU': 1}"),
+        ({"runtime_env": {"pip": ["x"]}}, "runtime_env={'pip': ['x']}"),
+    ],
+)
+def test_rays_arguments_without_the_ray_engine_are_refused(given, named):
+    with pytest.raises(LaunchConfigError, match=rf"{re.escape(named)} only apply with engine='ray'"):
+        make_plan(num_processes=2, use_port="auto", **given)
+
+
+def test_planning_a_ray_launch_does_not_import_ray(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # an import of it would fail
+    assert make_plan(num_processes=2, engine="ray").engine == "ray"
 
 
 def _where(node, versions):
@@ -105,3 +124,18 @@ def test_ranks_are_numbered_node_by_node_with_one_device_list_a_node():
         ("0", "0", "0", "2"), ("1", "1", "0", "2"), ("2", "0", "1", "2"), ("3", "1", "1", "2")]  # fmt: skip
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["1,0", "1,0", "0,3", "0,3"]
     assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["WORLD_SIZE"]) for e in envs} == {("10.0.0.2", "29555", "4")}
+
+
+@pytest.mark.parametrize(
+    "per_rank, visible",
+    [
+        ([["0"], ["1"]], "0,1"),
+        ([["0", "1"], ["2", "3"]], "0,2,1,3"),  # cuda:LOCAL_RANK is each rank's first GPU
+        ([["3"], ["1"]], "3,1"),
+        ([[], []], ""),  # CPU ranks on a GPU node see no GPU
+    ],
+)
+def test_a_nodes_device_list_puts_each_ranks_own_gpu_at_its_local_rank(per_rank, visible):
+    from notebook_accel.launch.starters.ray_engine import _devices
+
+    assert _devices(per_rank) == visible

@@ -166,18 +166,22 @@ def _ray_kwargs(args: argparse.Namespace) -> dict:
         "start_method": args.start_method,
     }
     out.update({k: v for k, v in placing.items() if v is not None})
+    if args.num_processes is not None:
+        out["num_processes"] = args.num_processes  # over the cluster: Ray places them
+    return {**out, **_rank_kwargs(args)}
+
+
+def _rank_kwargs(args: argparse.Namespace) -> dict:
+    """What every engine's ranks take from the command line, where given: CPU, precision, debug,
+    the stall watch, FSDP."""
     given = {
-        "num_processes": args.num_processes,
         "cpu": args.cpu,
         "mixed_precision": args.mixed_precision,
         "debug": args.debug,
         "stall_after": args.stall_after,
+        "fsdp": _fsdp_setting(args),
     }
-    out.update({k: v for k, v in given.items() if v is not None})
-    fsdp = _fsdp_setting(args)
-    if fsdp is not None:
-        out["fsdp"] = fsdp
-    return out
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _add_fsdp_arguments(p) -> None:
@@ -261,17 +265,11 @@ def _launch_kwargs(args: argparse.Namespace, config) -> dict:
         "master_addr": args.main_process_ip,
         "use_port": args.main_process_port,
         "rdzv_backend": args.rdzv_backend,
-        "cpu": args.cpu,
-        "mixed_precision": args.mixed_precision,
         "gpu_ids": args.gpu_ids,
-        "debug": args.debug,
         "max_restarts": args.max_restarts,
-        "stall_after": args.stall_after,
     }
     out.update({k: v for k, v in given.items() if v is not None})
-    fsdp = _fsdp_setting(args)
-    if fsdp is not None:
-        out["fsdp"] = fsdp
+    out.update(_rank_kwargs(args))
     machines = args.num_machines or (config.num_machines if config else 1)
     if "use_port" not in out and machines == 1 and (config is None or config.main_process_port is None):
         out["use_port"] = "auto"  # one machine needs no agreed port; a fixed one may be busy
@@ -295,6 +293,15 @@ def run(args: argparse.Namespace) -> int:
             parser.error(f"no module named {target!r} (from {os.getcwd()})")
     elif not os.path.isfile(target):
         parser.error(f"script {target!r} not found")
+    ray_flags = {
+        "--ray_address": args.ray_address,
+        "--resources_per_rank": args.resources_per_rank,
+        "--placement": args.placement,
+        "--runtime_env": args.runtime_env,
+    }
+    given = [flag for flag, value in ray_flags.items() if value is not None]
+    if given and args.engine != "ray":
+        parser.error(f"{', '.join(given)} only apply with --engine ray: add it, or leave them out")
     try:
         config = cfg.load_config(args.config_file) if args.config_file else cfg.load_default()
         kwargs = _ray_kwargs(args) if args.engine == "ray" else _launch_kwargs(args, config)

@@ -19,7 +19,19 @@ from . import cell_jobs
 
 START_METHODS = ("fork", "spawn", "forkserver")
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
-LINE_COMMANDS = ("hardware", "env", "config", "start", "stop", "restart", "status", "push", "pull", "auto", "debug")
+LINE_COMMANDS = (
+    "hardware",
+    "env",
+    "config",
+    "start",
+    "stop",
+    "restart",
+    "status",
+    "push",
+    "pull",
+    "auto",
+    "debug",
+)
 # Options that shape a fresh launch; a running session already has its workers.
 LAUNCH_ONLY = (
     "num_processes",
@@ -35,6 +47,7 @@ LAUNCH_ONLY = (
     "engine",
     "ray_address",
     "placement",
+    "resources_per_rank",
 )
 
 
@@ -44,6 +57,20 @@ _STALL_HELP = "say so when no rank made progress for S seconds (0: off; default:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse would exit the kernel's process
         raise UsageError(f"%%accelerate: {message}\n{self.format_usage()}")
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object like '{{\"CPU\": 1}}' (quoted), got {text!r}"
+        )
+    return value
 
 
 def _names(text: str) -> tuple:
@@ -64,23 +91,38 @@ def cell_parser() -> argparse.ArgumentParser:
         default=None,
         help="processes on this machine (default: as notebook_launcher decides)",
     )
-    p.add_argument("--start-method", choices=START_METHODS, default=None, help="how ranks start (default fork)")
+    p.add_argument(
+        "--start-method", choices=START_METHODS, default=None, help="how ranks start (default fork)"
+    )
     p.add_argument("--mixed-precision", choices=PRECISIONS, default=None)
     p.add_argument("--cpu", action="store_true", help="run on CPU even where accelerators exist")
     p.add_argument("--fsdp", action="store_true", help="FSDP on for this launch (settings from the config)")
-    p.add_argument("--engine", choices=("ray",), default=None, help="ray: the ranks as actors on a Ray cluster")
-    p.add_argument("--ray-address", default=None, help="with --engine ray: the cluster (default: $RAY_ADDRESS, auto)")
+    p.add_argument(
+        "--engine", choices=("ray",), default=None, help="ray: the ranks as actors on a Ray cluster"
+    )
+    p.add_argument(
+        "--ray-address", default=None, help="with --engine ray: the cluster (default: $RAY_ADDRESS, auto)"
+    )
     p.add_argument("--placement", choices=("pack", "spread", "strict_pack", "strict_spread"), default=None)
+    p.add_argument(
+        "--resources-per-rank",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='with --engine ray: one rank\'s Ray resources, like \'{"CPU": 1, "GPU": 1}\'',
+    )
     p.add_argument("--num-nodes", type=_positive, default=None)
     p.add_argument("--node-rank", type=_int, default=None)
     p.add_argument("--rdzv-endpoint", default="", help="host:port where the nodes meet")
     p.add_argument("--max-restarts", type=_int, default=None)
-    p.add_argument("--port", default=None, help='the rendezvous port (default: a free one)')
+    p.add_argument("--port", default=None, help="the rendezvous port (default: a free one)")
     p.add_argument("--gpu-ids", default=None, help='the devices the ranks see, like "0,2" (default: all)')
     p.add_argument("--timeout", type=_seconds, default=None, help="stop every rank and fail after this long")
     p.add_argument("--stall-after", type=_stall, default=None, metavar="S", help=_STALL_HELP)
     p.add_argument("--out", type=_names, default=(), help="names to copy from rank 0 into the notebook")
-    p.add_argument("--pdb", action="store_true", help="keep the first failing rank in pdb, its commands read here")
+    p.add_argument(
+        "--pdb", action="store_true", help="keep the first failing rank in pdb, its commands read here"
+    )
     p.add_argument("--ranks", default=None, help='with a session: the ranks to run on ("0,2", "1:", "all")')
     return p
 
@@ -93,7 +135,9 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="FSDP on in the workers (settings from the config)")
     p.add_argument("--gpu-ids", default=None, help='the devices the workers see, like "0,2" (default: all)')
-    p.add_argument("--stall-after", type=_stall, default=None, metavar="S", help="for every cell: " + _STALL_HELP)
+    p.add_argument(
+        "--stall-after", type=_stall, default=None, metavar="S", help="for every cell: " + _STALL_HELP
+    )
     return p
 
 
@@ -105,6 +149,7 @@ def launch_kwargs(args: argparse.Namespace) -> dict:
         "engine": args.engine,
         "ray_address": args.ray_address,
         "placement": args.placement,
+        "resources_per_rank": args.resources_per_rank,
         "mixed_precision": args.mixed_precision,
         "num_nodes": args.num_nodes,
         "node_rank": args.node_rank,
@@ -326,9 +371,13 @@ class AccelerateMagics(Magics):
 
         ks = self._session("debug")
         if len(rest) > 1 or (rest and not rest[0].lstrip("-").isdigit()):
-            raise UsageError(f"%accelerate debug: one rank number, e.g. %accelerate debug 1; got {' '.join(rest)!r}")
+            raise UsageError(
+                f"%accelerate debug: one rank number, e.g. %accelerate debug 1; got {' '.join(rest)!r}"
+            )
         if not rest and not ks.last_failed:
-            raise UsageError("%accelerate debug: the last session cell failed on no rank; name one: %accelerate debug RANK")
+            raise UsageError(
+                "%accelerate debug: the last session cell failed on no rank; name one: %accelerate debug RANK"
+            )
         rank = int(rest[0]) if rest else ks.last_failed[0]
         if not 0 <= rank < ks.world:
             raise UsageError(
@@ -345,7 +394,9 @@ class AccelerateMagics(Magics):
         except (ValueError, SessionError) as exc:
             raise UsageError(f"%accelerate debug: {exc}") from None
         except KeyboardInterrupt:
-            raise DebuggerInterrupted(f"the debugger on rank {rank} ended; the worker keeps its state") from None
+            raise DebuggerInterrupted(
+                f"the debugger on rank {rank} ended; the worker keeps its state"
+            ) from None
 
     def _session(self, what: str):
         from . import kernel_session as session

@@ -267,7 +267,12 @@ class LaunchPanel(Sink):
         with self._lock:
             if m.state != "running":
                 return
-            rows = [(r.rank, r.pid, r.state == "done") for r in m.sorted_ranks() if r.pid and r.state in ("running", "done")]
+            # A rank on another machine (node set: a Ray launch) has a pid there, not here: not asked.
+            rows = [
+                (r.rank, r.pid, r.state == "done")
+                for r in m.sorted_ranks()
+                if r.pid and not r.node and r.state in ("running", "done")
+            ]
             began = m.began
         self.stacks_button.disabled = True
         try:

@@ -150,6 +150,8 @@ def make_plan(
     arguments = locals()
     if ray_plan.check_engine(engine) == "ray":
         ray_plan.refuse_placing({name: _passed(arguments[name]) for name in ray_plan.PLACED_BY_RAY})
+    else:
+        ray_plan.refuse_without_ray(ray_address, resources_per_rank, placement, runtime_env)
     # The config file fills in what the caller left out.
     chosen, config_env, config = _with_config(config_file, notes, {n: arguments[n] for n in _CONFIGURABLE})
     stall_after = stall_settings.resolve_stall_after(stall_after, config)  # env beats the config
@@ -290,8 +292,8 @@ def make_plan(
 
 
 def _passed(value) -> bool:
-    """The caller gave this argument (not its marked default, None, "", or False)."""
-    return not is_default(value) and value not in (None, "", False)
+    """The caller gave this argument (not its marked default, None, "", or False; 0 is given)."""
+    return not is_default(value) and value is not None and value is not False and value != ""
 
 
 def _ray_plan(num_processes, mixed_precision, ray, config_env, fsdp, stall_after, debug, notes) -> LaunchPlan:

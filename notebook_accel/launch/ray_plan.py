@@ -63,6 +63,18 @@ def refuse_placing(given: dict) -> None:
         )
 
 
+def refuse_without_ray(ray_address, resources_per_rank, placement, runtime_env) -> None:
+    """Ray's arguments without engine="ray" would be ignored: say so instead."""
+    given = {"ray_address": ray_address, "resources_per_rank": resources_per_rank, "runtime_env": runtime_env}
+    passed = [f"{name}={value!r}" for name, value in given.items() if value is not None]
+    if placement != "pack":
+        passed.append(f"placement={placement!r}")
+    if passed:
+        raise LaunchConfigError(
+            f"{', '.join(passed)} only apply with engine='ray': add it, or leave them out."
+        )
+
+
 def settings(ray_address, resources_per_rank, placement, runtime_env, cpu: bool) -> RaySettings:
     if ray_address is not None and (not isinstance(ray_address, str) or not ray_address):
         raise LaunchConfigError(
@@ -93,6 +105,13 @@ def _resources(value) -> dict:
             raise LaunchConfigError(f"resources_per_rank={value!r}: each entry is a name and a number.")
         if amount < 0:
             raise LaunchConfigError(f"resources_per_rank={value!r}: {name} must be 0 or more, not {amount}.")
+        if name == "GPU" and amount != int(amount):
+            raise LaunchConfigError(
+                f"resources_per_rank={value!r}: GPU must be a whole number (each rank uses cuda:LOCAL_RANK, its "
+                "own GPU); ranks sharing a GPU are not supported."
+            )
+        if round(amount, 4) != amount:
+            raise LaunchConfigError(f"resources_per_rank={value!r}: Ray counts {name} in steps of 0.0001.")
     if not any(value.values()):
         raise LaunchConfigError(
             f"resources_per_rank={value!r} asks for nothing: a rank needs at least one CPU."

@@ -79,6 +79,7 @@ class RankActor:
 
         flush_output()
         saved = (os.dup(1), os.dup(2))
+        self._stop = os.pipe()  # written once the function is over: the readers take what is left
         for fd, stream in ((1, "stdout"), (2, "stderr")):
             read, write = os.pipe()
             os.dup2(write, fd)
@@ -93,20 +94,48 @@ class RankActor:
 
         flush_output()
         for fd, old in zip((1, 2), saved):
-            os.dup2(old, fd)  # the pipe's last writer goes: its reader sees the end
+            os.dup2(old, fd)
             os.close(old)
+        # Not the pipes' end: a process the rank started (a DataLoader worker server, a compile pool)
+        # may hold them open past the function. What was written by now is read, then they close.
+        os.write(self._stop[1], b"x")
         for reader in self._readers:
             reader.join(timeout=10)
         self._readers = []
+        for fd in self._stop:
+            os.close(fd)
 
     def _read(self, fd: int, stream: str) -> None:
-        with os.fdopen(fd, "rb", buffering=0) as pipe:
+        import select
+
+        try:
             while True:
-                data = pipe.read(65536)
-                if not data:
+                readable, _, _ = select.select([fd, self._stop[0]], [], [])
+                if self._stop[0] in readable:  # the function is over: what the pipe holds now, then done
+                    os.set_blocking(fd, False)
+                    for _ in range(64):  # a process still writing there does not hold us
+                        data = _read_some(fd)
+                        if not data:
+                            break
+                        self._keep(stream, data)
                     return
-                with self._lock:
-                    self._chunks.append((stream, data))
+                data = _read_some(fd)
+                if not data:  # every writer is gone
+                    return
+                self._keep(stream, data)
+        finally:
+            os.close(fd)
+
+    def _keep(self, stream: str, data: bytes) -> None:
+        with self._lock:
+            self._chunks.append((stream, data))
+
+
+def _read_some(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return b""
 
 
 def _run(env: dict, threads: int, payload: bytes) -> tuple:

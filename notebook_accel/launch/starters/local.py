@@ -101,10 +101,19 @@ def run(plan, payload, sink, control) -> list:
             kill(ranks.handles, ranks.warm)
             for h in ranks.handles:
                 h.close()
-        sink.handle(ev.LaunchFinished(False, time.monotonic() - started, _failed(exc), _stopped(exc)))
+        finished(sink, started, exc)
         raise
-    sink.handle(ev.LaunchFinished(True, time.monotonic() - started))
+    finished(sink, started)
     return results
+
+
+def finished(sink, started: float, exc: Optional[BaseException] = None) -> None:
+    """A launch's LaunchFinished: ok, or failed as `exc` says (its failed ranks, why it was stopped)."""
+    seconds = time.monotonic() - started
+    if exc is None:
+        sink.handle(ev.LaunchFinished(True, seconds))
+    else:
+        sink.handle(ev.LaunchFinished(False, seconds, _failed(exc), _stopped(exc)))
 
 
 def _stopped(exc: BaseException) -> str:

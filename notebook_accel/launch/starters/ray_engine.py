@@ -13,7 +13,7 @@ from .. import events as ev
 from ..errors import LaunchConfigError, LaunchFailedError, LaunchStoppedError, LaunchTimeoutError
 from ..lines import LineSplitter
 from ..ray_plan import INSTALL
-from .local import _failed, _stopped
+from .local import finished
 
 POLL_S = 0.1  # how often the driver asks the ranks for their output and checks for a stop
 NOTICE_AFTER_S = 2.0  # a placement group not ready by then: say that the launch waits for the cluster
@@ -30,34 +30,48 @@ def ray_module():
     return ray
 
 
-_opened: dict = {}  # the connection this module opened: {"runtime_env": the job's}
+_opened: dict = {}  # the connection this module opened: {"job": its job id, "address", "runtime_env"}
 
 
-def connect(ray, address, runtime_env) -> bool:
+def _job(ray) -> str:
+    return ray.get_runtime_context().get_job_id()
+
+
+def connect(ray, address, runtime_env, sink) -> bool:
     """Use the cluster this process is connected to, else connect to `address`, $RAY_ADDRESS or
     "auto"; we never start a cluster. A connection opened here stays open for later launches and
     carries `runtime_env` as the job's: Ray uploads a local folder (working_dir, py_modules) only for
-    a job, so a launch with another runtime_env reconnects. True when the ranks' actors must carry
-    `runtime_env` themselves (a connection the user opened, which we never close)."""
+    a job, so a launch with another runtime_env reconnects, to the same address. True when the ranks'
+    actors must carry `runtime_env` themselves (a connection the user opened, never closed by us)."""
     if ray.is_initialized():
-        if not _opened:
+        if not _opened or _opened["job"] != _job(ray):  # the user's (perhaps opened after ours ended)
+            _opened.clear()
             return runtime_env is not None
         if _opened["runtime_env"] == runtime_env:
             return False
+        address = address or _opened["address"]
+        sink.handle(
+            ev.LaunchNotice(f"connecting to Ray again at {address!r} for runtime_env={runtime_env!r}")
+        )
         ray.shutdown()  # ours, opened for another runtime_env
     _opened.clear()
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if address == "local":
+        raise LaunchConfigError(
+            "ray_address='local' would start a Ray instance here; a launch only connects to a running "
+            "cluster: start one (`ray start --head`, or ray.init() yourself) and pass its address."
+        )
     try:
         _probe(address)  # Ray retries an address where nothing listens for minutes
         ray.init(address=address, runtime_env=runtime_env)
-        _opened["runtime_env"] = runtime_env
-        return False
     except (OSError, RuntimeError, ValueError) as exc:
         raise LaunchConfigError(
-            f"no Ray cluster answers at ray_address={address!r} ({str(exc).strip().splitlines()[0]}). Start one "
-            "with `ray start --head` on a machine of the cluster and pass its address (or 'auto' on that "
-            "machine), or call ray.init(...) yourself before launching."
+            f"no Ray cluster answers at ray_address={address!r} ({_cause(exc)}). Start one with `ray start "
+            "--head` on a machine of the cluster and pass its address (or 'auto' on that machine), or call "
+            "ray.init(...) yourself before launching."
         ) from None
+    _opened.update(job=_job(ray), address=address, runtime_env=runtime_env)
+    return False
 
 
 def _probe(address: str, seconds: float = PROBE_S) -> None:
@@ -66,30 +80,48 @@ def _probe(address: str, seconds: float = PROBE_S) -> None:
 
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit():
-        return  # "auto", "local": Ray's own look-up, which fails fast
+        return  # "auto": Ray's own look-up, which fails fast
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
     except OSError as exc:
         raise ConnectionError(f"nothing listens at {host}:{port}: {exc.strerror or exc}") from None
 
 
-def check_fits(ray, resources: dict, ranks: int) -> None:
-    """Fail at once when the cluster could never place the ranks: in total, or one rank on one node."""
-    wanted = {name: amount * ranks for name, amount in resources.items() if amount}
+def check_fits(ray, resources: dict, ranks: int, strategy: str) -> None:
+    """Fail at once when the cluster's nodes could never hold the ranks as `strategy` places them:
+    in total, one rank on any node, how many ranks each node holds. Nodes an autoscaler has yet to
+    add do not count."""
     total = ray.cluster_resources()
     short = [
-        f"{name}: {need:g} wanted, {total.get(name, 0):g} in the cluster"
-        for name, need in wanted.items()
-        if need > total.get(name, 0) + 1e-9
+        f"{name}: {amount * ranks:g} wanted, {total.get(name, 0):g} in the cluster"
+        for name, amount in resources.items()
+        if amount and amount * ranks > total.get(name, 0) + 1e-9
     ]
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    if not short and not any(all(n.get(k, 0) >= v for k, v in resources.items()) for n in nodes):
-        short = [f"no node has {resources} for one rank"]
+    holds = [_holds(n.get("Resources", {}), resources) for n in ray.nodes() if n.get("Alive")]
+    if not short:
+        if not any(holds):
+            short = [f"no node has {resources} for one rank"]
+        elif strategy == "STRICT_PACK" and max(holds) < ranks:
+            short = [
+                f"placement='strict_pack' needs one node for all {ranks}, and a node holds at most {max(holds)}"
+            ]
+        elif strategy == "STRICT_SPREAD" and sum(1 for h in holds if h) < ranks:
+            short = [
+                f"placement='strict_spread' needs {ranks} nodes, and {sum(1 for h in holds if h)} hold a rank"
+            ]
+        elif sum(holds) < ranks:
+            short = [f"its nodes hold {sum(holds)} such ranks in all ({', '.join(map(str, holds))} a node)"]
     if short:
         raise LaunchConfigError(
             f"the Ray cluster cannot hold {ranks} rank(s) of resources_per_rank={resources}: "
-            f"{'; '.join(short)}. Use fewer ranks, smaller resources_per_rank, or add nodes."
+            f"{'; '.join(short)}. Use fewer ranks, smaller resources_per_rank, another placement, or add nodes."
         )
+
+
+def _holds(node: dict, resources: dict) -> int:
+    """How many bundles of `resources` fit in `node`'s total resources."""
+    fits = [int(node.get(name, 0) / amount + 1e-9) for name, amount in resources.items() if amount]
+    return min(fits) if fits else 0
 
 
 class RayLaunch:
@@ -103,6 +135,7 @@ class RayLaunch:
         self.ranks: list = []  # rank -> bundle index
         self.where: list = []  # rank -> the actor's `where` answer
         self.splitters: dict = {}
+        self.takes: dict = {}  # rank -> its `take` call in flight
         self.peak_rss: dict = {}  # rank -> the highest RSS its node reported
 
     # -- placing -------------------------------------------------------------------------------
@@ -117,6 +150,8 @@ class RayLaunch:
         self._wait_for_group()
         resources = dict(settings.resources)
         options = {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0)}
+        if "memory" in resources:  # Ray takes memory as its own option, not among custom resources
+            options["memory"] = resources.pop("memory")
         if resources:
             options["resources"] = resources
         if self.actor_env:
@@ -128,11 +163,16 @@ class RayLaunch:
                 self.actors.append(
                     actor.options(max_concurrency=2, scheduling_strategy=strategy, **options).remote()
                 )
-            except ValueError as exc:  # Ray refuses a local folder in an actor's runtime_env
+            except ValueError as exc:
+                if "runtime_env" in options and "job level" in str(exc):  # a local folder, on an actor
+                    raise LaunchConfigError(
+                        f"runtime_env={settings.runtime_env!r}: {_cause(exc)} This process was connected to Ray "
+                        "before the launch: pass the runtime_env to your ray.init(runtime_env=...), or launch "
+                        "before connecting and notebook_launcher connects with it."
+                    ) from None
                 raise LaunchConfigError(
-                    f"runtime_env={settings.runtime_env!r}: {_first_line(exc)} This process was connected to Ray "
-                    "before the launch: pass the runtime_env to your ray.init(runtime_env=...), or launch before "
-                    "connecting and notebook_launcher connects with it."
+                    f"Ray refused a rank's actor for resources_per_rank={settings.resources} and "
+                    f"runtime_env={settings.runtime_env!r}: {_cause(exc)}"
                 ) from None
         where = self._get([a.where.remote() for a in self.actors], "the ranks' actors to start")
         self._check_versions(where)
@@ -184,9 +224,7 @@ class RayLaunch:
                 "MASTER_ADDR": master,
                 "MASTER_PORT": str(port),
             }
-            gpus = [g for r in same for g in self.where[r]["gpus"]]
-            if gpus:  # one list per node, in local-rank order: cuda:LOCAL_RANK is the rank's own GPU
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            env["CUDA_VISIBLE_DEVICES"] = _devices([self.where[r]["gpus"] for r in same])
             envs.append(env)
         return envs
 
@@ -204,11 +242,11 @@ class RayLaunch:
         while running:
             ready, _ = self.ray.wait(list(running), num_returns=len(running), timeout=POLL_S)
             self._pump(sorted(running.values()))
-            for ref in ready:
+            failed = []
+            for ref in sorted(ready, key=running.get):
                 rank = running.pop(ref)
-                outcome = self._outcome(ref, rank)
-                self._pump([rank])  # the rank's last lines, before what it returned
-                self._flush(rank)
+                outcome = self._outcome(ref)
+                self._drain(rank)  # the rank's last lines, before what it returned
                 if outcome[0] == "result":
                     # Ray hands back bytes: a tensor must not be built on read-only memory.
                     results[rank] = loads_result(outcome[1], [bytearray(b) for b in outcome[2]])
@@ -216,19 +254,22 @@ class RayLaunch:
                         ev.RankFinished(rank, time.monotonic() - started, self.peak_rss.get(rank))
                     )
                 else:
-                    self._fail(rank, outcome, sorted(running.values()))
+                    failed.append(self._failure(rank, outcome))
+            if failed:  # every rank that failed in this poll: the cause may be any of them
+                for other in sorted(running.values()):
+                    self.sink.handle(ev.RankStopped(other, f"rank {failed[0].rank} failed"))
+                raise LaunchFailedError(failed)
             self._check_stop("", sorted(running.values()))
         return results
 
-    def _outcome(self, ref, rank: int) -> tuple:
+    def _outcome(self, ref) -> tuple:
         try:
             return self.ray.get(ref)
         except self.ray.exceptions.RayActorError as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return ("died", reason)
+            return ("died", _cause(exc))
 
-    def _fail(self, rank: int, outcome: tuple, others: list) -> None:
-        """Report `rank`'s failure, stop the others (the caller's clean-up kills them), raise."""
+    def _failure(self, rank: int, outcome: tuple):
+        """`rank`'s RankFailed, sent to the sink."""
         where = self.where[rank]
         if outcome[0] == "died":
             message = f"its Ray actor died ({outcome[1]})"
@@ -248,27 +289,35 @@ class RayLaunch:
                 node=_node(where),
             )
         self.sink.handle(report)
-        for other in others:
-            self.sink.handle(ev.RankStopped(other, f"rank {rank} failed"))
-        raise LaunchFailedError([report])
+        return report
 
-    def _pump(self, ranks: list) -> None:
-        refs = {self.actors[self.ranks[r]].take.remote(): r for r in ranks}
+    def _pump(self, ranks: list, wait: float = 0.0) -> None:
+        """Collect what the ranks printed: one `take` call in flight a rank (its answer holds the
+        lines the actor handed over, so it is never dropped: a slow one is collected later)."""
+        for rank in ranks:
+            if rank not in self.takes:
+                self.takes[rank] = self.actors[self.ranks[rank]].take.remote()
+        refs = {self.takes[rank]: rank for rank in ranks}
         if not refs:
             return
-        ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=TAKE_WAIT_S)
+        ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=wait)
         for ref in ready:
+            rank = refs[ref]
+            del self.takes[rank]
             try:
                 chunks, usage = self.ray.get(ref)
             except self.ray.exceptions.RayError:
                 continue  # the actor is gone: its run call says how
             for stream, data in chunks:
-                self._lines(refs[ref], stream, LineSplitter.feed, data)
+                self._lines(rank, stream, LineSplitter.feed, data)
             if usage is not None:
-                self.peak_rss[refs[ref]] = max(self.peak_rss.get(refs[ref], 0), usage.rss)
+                self.peak_rss[rank] = max(self.peak_rss.get(rank, 0), usage.rss)
                 self.sink.handle(usage)
 
-    def _flush(self, rank: int) -> None:
+    def _drain(self, rank: int) -> None:
+        """A finished rank's last output: the call in flight, then one asked after the rank's end."""
+        self._pump([rank], TAKE_WAIT_S)
+        self._pump([rank], TAKE_WAIT_S)
         for stream in ("stdout", "stderr"):
             self._lines(rank, stream, lambda splitter, _: splitter.finish(), None)
 
@@ -297,7 +346,7 @@ class RayLaunch:
             return self.ray.get(refs)
         except self.ray.exceptions.RayError as exc:
             raise LaunchConfigError(
-                f"a rank's Ray actor could not start: {_first_line(exc)}. Every node needs notebook_accel and "
+                f"a rank's Ray actor could not start: {_cause(exc)}. Every node needs notebook_accel and "
                 f"torch installed (the same versions as here), or a runtime_env that installs them."
             ) from None
 
@@ -319,23 +368,37 @@ class RayLaunch:
         # Ray frees bundles and actors in the background: wait until the cluster's view has neither,
         # so the resources are back when the launch returns.
         deadline = time.monotonic() + REMOVE_WAIT_S
-        while time.monotonic() < deadline and not self._gone():
+        while time.monotonic() < deadline:
+            if self._gone(deadline):
+                return
             time.sleep(0.05)
+        self.sink.handle(
+            ev.LaunchNotice(
+                f"Ray had not freed the launch's actors and placement group {REMOVE_WAIT_S:g} s after it "
+                "removed them; it goes on in the background"
+            )
+        )
 
-    def _gone(self) -> bool:
-        mark = self.group.id.hex()
-        if any(mark in name for name in self.ray.available_resources()):
-            return False
-        pings = [actor.take.remote() for actor in self.actors]
-        for ping in pings:
-            try:
-                self.ray.get(ping, timeout=1.0)
-                return False  # still answers
-            except self.ray.exceptions.RayActorError:
-                continue
-            except self.ray.exceptions.GetTimeoutError:
+    def _gone(self, deadline: float) -> bool:
+        """Ray shows none of the group's bundles and none of the actors answers (asked together)."""
+        try:
+            mark = self.group.id.hex()
+            if any(mark in name for name in self.ray.available_resources()):
                 return False
-        return True
+            pings = [actor.take.remote() for actor in self.actors]
+            left = max(0.1, deadline - time.monotonic())
+            ready, waiting = self.ray.wait(pings, num_returns=len(pings), timeout=left)
+            if waiting:
+                return False
+            for ping in ready:
+                try:
+                    self.ray.get(ping)
+                    return False  # still answers
+                except self.ray.exceptions.RayActorError:
+                    continue
+            return True
+        except Exception:  # the connection itself went: nothing more to wait for here
+            return True
 
 
 def order(where: list) -> tuple:
@@ -351,16 +414,27 @@ def _node(where: dict) -> str:
     return f"{where['ip']} ({where['node_id'][:8]})"
 
 
-def _first_line(exc) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[-1] if text else type(exc).__name__
+def _cause(exc) -> str:
+    """An exception's message in one line: Ray's put the cause after a generic first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(lines) if lines else type(exc).__name__
+    return text if len(text) <= 600 else text[:600] + " ..."
+
+
+def _devices(per_rank: list) -> str:
+    """A node's CUDA_VISIBLE_DEVICES from its ranks' GPU ids (local-rank order): each rank's first
+    GPU first, so cuda:LOCAL_RANK is the rank's own, then the ranks' other GPUs. "" for ranks
+    without a GPU: they see none, whatever the node has."""
+    firsts = [ids[0] for ids in per_rank if ids]
+    rest = [g for ids in per_rank for g in ids[1:] if g not in firsts]
+    return ",".join(dict.fromkeys(firsts + rest))
 
 
 def run(plan, payload, sink, control) -> list:
     ray = ray_module()
     body = payload.pickled()  # an unpicklable function is named before the cluster is touched
-    actor_env = connect(ray, plan.ray.address, plan.ray.runtime_env)
-    check_fits(ray, plan.ray.resources, plan.num_processes)
+    actor_env = connect(ray, plan.ray.address, plan.ray.runtime_env, sink)
+    check_fits(ray, plan.ray.resources, plan.num_processes, plan.ray.placement)
     started = time.monotonic()
     sink.handle(ev.LaunchStarted(plan.num_processes, "ray", plan.num_processes, fsdp=plan.fsdp))
     launch = RayLaunch(ray, plan, sink, control, actor_env)
@@ -369,9 +443,9 @@ def run(plan, payload, sink, control) -> list:
         launch.place()
         results = launch.watch(body)
     except BaseException as exc:
-        sink.handle(ev.LaunchFinished(False, time.monotonic() - started, _failed(exc), _stopped(exc)))
+        finished(sink, started, exc)
         raise
     finally:
         launch.clean()
-    sink.handle(ev.LaunchFinished(True, time.monotonic() - started))
+    finished(sink, started)
     return results

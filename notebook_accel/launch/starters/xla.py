@@ -26,7 +26,7 @@ import time
 from .. import events as ev
 from ..channel import recv_frame, recv_frame_with_fds, recv_ready, send_frame, send_frame_with_fds
 from ..procs import RankProcess
-from .local import _failed, _stopped
+from .local import finished
 
 RETURN_WAIT_S = 30.0  # after the ranks, how long to wait for xmp.spawn's own return
 HELLO_WAIT_S = 10.0  # a process that connected must say who it is within this long
@@ -299,9 +299,9 @@ def run(plan, payload, sink, control) -> list:
             for r in monitor.ranks:
                 r.proc.send_signal(signal.SIGKILL)
             hub.thread.join(5.0)  # xmp's pool notices and reaps them
-        sink.handle(ev.LaunchFinished(False, time.monotonic() - started, _failed(exc), _stopped(exc)))
+        finished(sink, started, exc)
         raise
     finally:
         hub.close()
-    sink.handle(ev.LaunchFinished(True, time.monotonic() - started))
+    finished(sink, started)
     return results

@@ -155,7 +155,17 @@ def _ray_kwargs(args: argparse.Namespace) -> dict:
         "runtime_env": args.runtime_env,
         "placement": args.placement or "pack",
     }
-    placing = {
+    out.update(_placing_kwargs(args))
+    if args.start_method is not None:
+        out["start_method"] = args.start_method
+    if args.num_processes is not None:
+        out["num_processes"] = args.num_processes  # over the cluster: Ray places them
+    return {**out, **_rank_kwargs(args)}
+
+
+def _placing_kwargs(args: argparse.Namespace) -> dict:
+    """The flags that place ranks on machines, where given (Ray refuses them: it places the ranks)."""
+    given = {
         "num_nodes": args.num_machines,
         "node_rank": args.machine_rank,
         "master_addr": args.main_process_ip,
@@ -163,12 +173,8 @@ def _ray_kwargs(args: argparse.Namespace) -> dict:
         "rdzv_backend": args.rdzv_backend,
         "gpu_ids": args.gpu_ids,
         "max_restarts": args.max_restarts,
-        "start_method": args.start_method,
     }
-    out.update({k: v for k, v in placing.items() if v is not None})
-    if args.num_processes is not None:
-        out["num_processes"] = args.num_processes  # over the cluster: Ray places them
-    return {**out, **_rank_kwargs(args)}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _rank_kwargs(args: argparse.Namespace) -> dict:
@@ -259,16 +265,7 @@ def _launch_kwargs(args: argparse.Namespace, config) -> dict:
                 "machines (it counts the processes on all machines together)"
             )
         out["num_processes"] = args.num_processes // machines
-    given = {
-        "num_nodes": args.num_machines,
-        "node_rank": args.machine_rank,
-        "master_addr": args.main_process_ip,
-        "use_port": args.main_process_port,
-        "rdzv_backend": args.rdzv_backend,
-        "gpu_ids": args.gpu_ids,
-        "max_restarts": args.max_restarts,
-    }
-    out.update({k: v for k, v in given.items() if v is not None})
+    out.update(_placing_kwargs(args))
     out.update(_rank_kwargs(args))
     machines = args.num_machines or (config.num_machines if config else 1)
     if "use_port" not in out and machines == 1 and (config is None or config.main_process_port is None):

@@ -110,7 +110,7 @@ def test_accelerators_are_listed_with_memory_bars(monkeypatch):
 
 
 def test_a_plan_that_fails_shows_why(monkeypatch):
-    from notebook_accel.launch import plan
+    from notebook_accel.launch import preview as plan  # where launch_preview reads it
     from notebook_accel.launch.errors import LaunchConfigError
 
     def refuse(**kwargs):
@@ -140,7 +140,7 @@ def test_environment_names(monkeypatch, name, shown):
 
 
 def test_plan_notes_are_shown_below_the_preview(monkeypatch):
-    from notebook_accel.launch import plan
+    from notebook_accel.launch import preview as plan  # where launch_preview reads it
 
     real = plan.make_plan
 

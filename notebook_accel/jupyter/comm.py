@@ -110,7 +110,7 @@ def hello() -> dict:
     except Exception as exc:  # a broken probe still says hello
         message["hardware_error"] = str(exc) or type(exc).__name__
     try:
-        from ..launch.plan import launch_preview
+        from ..launch.preview import launch_preview
 
         preview = launch_preview()
         message["preview"] = {

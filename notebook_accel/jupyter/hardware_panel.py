@@ -6,7 +6,7 @@ from typing import Optional
 
 import ipywidgets as widgets
 
-from ..launch.plan import Preview, launch_preview
+from ..launch.preview import Preview, launch_preview
 from .style import badge, bar, esc, style_tag
 
 ENVIRONMENT_NAMES = {

@@ -58,3 +58,17 @@ def port(text: str) -> str:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port in 1..65535 or 'auto', got {text!r}")
     return str(value)
+
+
+def json_object(text: str) -> dict:
+    """A command-line value such as '{"CPU": 1}' (resources_per_rank, runtime_env) as a dict; an
+    argparse type: what is wrong is said in the ArgumentTypeError."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object, like '{{\"CPU\": 1}}' (quoted)")
+    return value

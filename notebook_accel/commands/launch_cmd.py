@@ -16,7 +16,7 @@ import sys
 import traceback
 
 from .. import config as cfg
-from .args import non_negative, port, positive, positive_seconds, stall_seconds
+from .args import json_object, non_negative, port, positive, positive_seconds, stall_seconds
 
 
 def add_arguments(p) -> None:
@@ -114,7 +114,7 @@ def _add_ray_arguments(p) -> None:
     )
     group.add_argument(
         "--resources_per_rank",
-        type=_json_dict,
+        type=json_object,
         default=None,
         metavar="JSON",
         help='Ray resources of one rank, like \'{"CPU": 1, "GPU": 1}\' (default {"CPU": 1})',
@@ -127,23 +127,11 @@ def _add_ray_arguments(p) -> None:
     )
     group.add_argument(
         "--runtime_env",
-        type=_json_dict,
+        type=json_object,
         default=None,
         metavar="JSON",
         help='Ray\'s runtime_env for the ranks, like \'{"working_dir": "."}\'',
     )
-
-
-def _json_dict(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object, like '{{\"CPU\": 1}}'")
-    return value
 
 
 def _ray_kwargs(args: argparse.Namespace) -> dict:

@@ -9,6 +9,7 @@ import shlex
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from ..commands.args import json_object
 from ..commands.args import positive as _positive
 from ..commands.args import positive_seconds as _seconds
 from ..commands.args import stall_seconds as _stall
@@ -59,20 +60,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"%%accelerate: {message}\n{self.format_usage()}")
 
 
-def _json_object(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(
-            f"must be a JSON object like '{{\"CPU\": 1}}' (quoted), got {text!r}"
-        )
-    return value
-
-
 def _names(text: str) -> tuple:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     bad = [n for n in names if not n.isidentifier()]
@@ -106,7 +93,7 @@ def cell_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=("pack", "spread", "strict_pack", "strict_spread"), default=None)
     p.add_argument(
         "--resources-per-rank",
-        type=_json_object,
+        type=json_object,
         default=None,
         metavar="JSON",
         help='with --engine ray: one rank\'s Ray resources, like \'{"CPU": 1, "GPU": 1}\'',

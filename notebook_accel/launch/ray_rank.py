@@ -9,7 +9,6 @@ so what the rank prints, C extensions included, reaches the driver's events and 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
@@ -139,7 +138,7 @@ def _read_some(fd: int) -> bytes:
 
 
 def _run(env: dict, threads: int, payload: bytes) -> tuple:
-    from .child import _error_report, flush_output
+    from .child import _destroy_group, _error_report, flush_output
     from .payload import dumps_result, loads
 
     __tracebackhide__ = True  # noqa: F841  (child._user_traceback starts the rank's traceback below this)
@@ -166,12 +165,3 @@ def _run(env: dict, threads: int, payload: bytes) -> tuple:
         message = f"the return value of rank {rank} ({type(result).__name__}) cannot be pickled: {exc}"
         return ("error", {"exc_type": "PicklingError", "message": message, "traceback": ""})
     return ("result", body, [bytes(b) for b in buffers])  # Ray pickles bytes, not memoryviews
-
-
-def _destroy_group() -> None:
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass

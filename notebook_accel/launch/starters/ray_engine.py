@@ -134,6 +134,7 @@ class RayLaunch:
         self.actors: list = []  # by bundle index
         self.ranks: list = []  # rank -> bundle index
         self.where: list = []  # rank -> the actor's `where` answer
+        self.nodes: list = []  # node ids in node-rank order
         self.splitters: dict = {}
         self.takes: dict = {}  # rank -> its `take` call in flight
         self.peak_rss: dict = {}  # rank -> the highest RSS its node reported

@@ -97,6 +97,18 @@ def test_no_rank_in_a_collective_is_no_progress_not_a_stall():
     assert "rank 1 did not answer" in report.sentence
 
 
+def test_ranks_still_starting_are_said_to_be_starting():
+    """Before its function begins a rank has no worker server: "starting", never "did not answer"."""
+    both = stall.build(61, [stall.RankWhere(0, "starting"), stall.RankWhere(1, "starting")])
+    assert not both.stalled
+    assert both.sentence == (
+        "no progress for 61 s: ranks 0, 1 are still starting (not yet in the function: importing, or unpickling it)"
+    ), both.sentence
+    one = stall.build(61, [stall.RankWhere(0, "running", threads=stall.frames_of(DUMP)), stall.RankWhere(1, "starting")])
+    assert one.sentence.startswith("no progress for 61 s: no rank is in a collective; rank 0 is in no collective")
+    assert "rank 1 is still starting" in one.sentence, one.sentence
+
+
 def test_the_flight_recorder_s_json_gives_the_waiting_collective_per_group():
     trace = {
         "pg_status": {"0": {"last_completed_collective": "4", "last_enqueued_collective": "5"},

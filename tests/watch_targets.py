@@ -70,4 +70,23 @@ def serves_the_watch() -> bool:
 
     from notebook_accel.launch import watch_rank
 
-    return os.path.exists(watch_rank.socket_path(os.getpid()))
+    return watch_rank._server is not None and os.path.exists(watch_rank.socket_path(os.getpid()))
+
+
+def _slept(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+class SlowToLoad:
+    """An argument that takes `seconds` to unpickle in a rank, where it becomes the number."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return (_slept, (self.seconds,))
+
+
+def identity(value):
+    return value

@@ -2,7 +2,7 @@
 stdout, stderr and control bytes into typed events.
 
 A rank (or the forkserver) writes frames on its control socket: an 8-byte big-endian length, then a
-pickle of a tuple whose first item is the kind: ("started", pid), ("result", body, sizes) or
+pickle of a tuple whose first item is the kind: ("started", pid), ("calling",), ("result", body, sizes) or
 ("error", {exc_type, message, traceback}) from a rank, and in a pdb=True launch ("pdb", output,
 prompt or None) while pdb runs in it, answered with ("pdb_line", line or None) (child.py);
 ("ready", pid), ("pid", local_rank, pid) and ("exit", pid, code) from the forkserver. Control sockets are private socket pairs (or a Unix socket in a
@@ -164,6 +164,8 @@ class RankChannel:
         self.result: Optional[tuple] = None  # (pickle body, out-of-band buffers) once all arrived
         self.error: Optional[dict] = None
         self.group = ""  # "joining", then "joined": where the rank is with the process group
+        self.calling = False  # past its start (imports, the function's unpickling): in the function
+        self._moved = False  # "calling" arrived and no reader has asked (`moved`)
         self.pdb: list = []  # (output, prompt) from pdb in the rank, not yet answered; prompt None: it ended
         self.open = {"stdout", "stderr", "ctrl"}
         self._lines = {stream: LineSplitter() for stream in STREAMS}
@@ -216,7 +218,9 @@ class RankChannel:
         if kind == "started":
             self.pid = message[1]
             return [ev.RankStarted(self.rank, message[1])]
-        if kind == "result":
+        if kind == "calling":
+            self.calling = self._moved = True
+        elif kind == "result":
             self._body, self._incoming = message[1], _Buffers(message[2])
             self._result_arrived()
         elif kind == "error":
@@ -226,6 +230,12 @@ class RankChannel:
         elif kind == "pdb":
             self.pdb.append((message[1], message[2]))
         return []
+
+    def moved(self) -> bool:
+        """Whether the rank got into its function since the last call: progress, for the stall watch,
+        though it sends no event."""
+        moved, self._moved = self._moved, False
+        return moved
 
     def _result_arrived(self) -> None:
         if self._incoming is not None and self._incoming.complete:

@@ -2,8 +2,8 @@
 one), run the function, report back.
 
 A rank receives three connected sockets: `out` and `err` become fds 1 and 2 (so C-level output
-is caught too), `ctrl` carries the frames of channel.py: ("started", pid), ("group", "joining" or
-"joined") around joining the process group, ("result", body, sizes) followed by the result's
+is caught too), `ctrl` carries the frames of channel.py: ("started", pid), ("calling",) once the
+function is loaded and about to run, ("group", "joining" or "joined") around joining the process group, ("result", body, sizes) followed by the result's
 out-of-band buffers, or ("error", dict). In a `pdb=True` launch an error is followed by pdb on its
 traceback: ("pdb", output, prompt) for each prompt, answered by ("pdb_line", line or None), and
 ("pdb", output, None) when pdb ends; then the rank exits.
@@ -132,6 +132,7 @@ def run_function(rank: int, ctrl: socket.socket, prepare, load, debug: bool = Fa
         prepare()
         function, args = load()
         called = True
+        send_frame(ctrl, ("calling",))  # the watch tells a rank still starting from one that stalled
         result = function(*args)
     except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
         flush_output()

@@ -16,11 +16,11 @@ import time
 from typing import Optional
 
 from . import events as ev
-from . import pdb_relay, stall
+from . import pdb_relay, stall, watch_probe
 from .channel import RankChannel, send_frame
 from .errors import LaunchFailedError, LaunchStoppedError, LaunchTimeoutError, failure_from_exit
 from .resources import ResourceSampler
-from .watch import Watch
+from .watch import Watch, rank_state
 
 STOP_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long
 DRAIN_GRACE_S = 2.0  # after a rank exits, wait this long for a grandchild that still holds its stdout
@@ -171,7 +171,7 @@ class Monitor:
             if self.pdb_ended_at is not None and time.monotonic() - self.pdb_ended_at > PDB_EXIT_GRACE_S:
                 self.debugged.proc.send_signal(signal.SIGKILL)
         if self.stop_sent_at is None:
-            live = [(r.rank, r.proc.pid, r.channel.result is not None) for r in self.ranks if not r.reported]
+            live = [(r.rank, r.proc.pid, rank_state(r.channel.result is not None, r.channel)) for r in self.ranks if not r.reported]
             for event in self.watch.tick(now, live):
                 self.sink.handle(event)
         if self.stop_sent_at is not None and not self.killed and now - self.stop_sent_at > STOP_GRACE_S:
@@ -184,8 +184,8 @@ class Monitor:
             return
         if stream not in r.channel.open:
             self.sel.unregister(sock)
-        if events:
-            for event in self.watch.progress(time.monotonic()):  # output or a result: the rank moves
+        if r.channel.moved() or events:
+            for event in self.watch.progress(time.monotonic()):  # output, a result, its function began
                 self.sink.handle(event)
         for event in events:
             self.sink.handle(event)
@@ -200,6 +200,7 @@ class Monitor:
         if r.channel.open and now - r.exited_at < DRAIN_GRACE_S:
             return
         r.done = True
+        watch_probe.forget(r.proc.pid)
         for sock in (r.proc.out, r.proc.err, r.proc.ctrl):
             try:
                 self.sel.unregister(sock)

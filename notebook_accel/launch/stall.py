@@ -77,7 +77,7 @@ def parse_stacks(text: str) -> tuple:
 class RankWhere:
     """One rank at the time of the report. `state`: "returned", "waiting" (in a collective),
     "running" (in none), "idle" (a session worker between cells), "failed" (its session cell raised),
-    "unknown" (its server did not answer)."""
+    "starting" (not yet in the function), "unknown" (its server did not answer)."""
 
     rank: int
     state: str
@@ -98,6 +98,8 @@ class RankWhere:
             return "returned from the function"
         if self.state == "idle":
             return "is idle (no cell running)"
+        if self.state == "starting":
+            return "is still starting (not yet in the function: importing, or unpickling it)"
         if self.state == "failed":
             return "failed this cell"
         frame = self.user_frame()
@@ -174,6 +176,8 @@ def sentence(seconds: float, ranks: tuple, label=None) -> str:
     head = f"no progress for {seconds:.0f} s"
     if not any(r.state == "waiting" for r in ranks):
         parts = _grouped(ranks, label)
+        if parts and all(r.state == "starting" for r in ranks):
+            return f"{head}: " + parts[0]
         return f"{head}: no rank is in a collective; " + "; ".join(parts) if parts else head
     waits = {(c.group, c.op, c.seq) for r in ranks if r.state == "waiting" for c in r.waiting}
     others = [r for r in ranks if r.state != "waiting"]

@@ -45,7 +45,7 @@ class Watch:
         return [ev.LaunchResumed()]
 
     def tick(self, now: float, ranks: list) -> list:
-        """`ranks`: (rank, pid, returned) of every rank not failed. The events to send now."""
+        """`ranks`: (rank, pid, rank_state(...)) of every rank not failed. The events to send now."""
         if not self.on or now - self.last_progress < self.stall_after / 3 or now < self.next_probe:
             return []
         self.next_probe = now + max(MIN_PROBE_S, self.stall_after / 3)
@@ -79,6 +79,14 @@ class Watch:
         return snapshot(seconds, ranks, self.label, seen)
 
 
+def rank_state(returned: bool, channel):
+    """What tick and snapshot take for a rank: True once it returned, "starting" until its function
+    began (it imports, or unpickles the function: it has no worker server to ask yet), else False."""
+    if returned:
+        return True
+    return "starting" if channel is not None and not channel.calling else False
+
+
 def snapshot(seconds: float, ranks: list, label=None, seen: Optional[dict] = None, asked: bool = False):
     """Where every rank is now: its stacks and collectives. `ranks`: (rank, pid, returned), or
     (rank, pid, state) with a state of stall.RankWhere's; `asked`: on demand (a Stacks button,
@@ -86,7 +94,7 @@ def snapshot(seconds: float, ranks: list, label=None, seen: Optional[dict] = Non
     seen = seen or {}
     where = []
     for rank, pid, returned in ranks:
-        if returned is True or returned in ("returned", "idle", "failed"):
+        if returned is True or returned in ("returned", "idle", "failed", "starting"):
             where.append(stall.RankWhere(rank, "returned" if returned is True else returned))
             continue
         found = seen.get(rank) or watch_probe.collectives(pid)

@@ -8,6 +8,7 @@ what it could not see.
 from __future__ import annotations
 
 import json
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Optional
@@ -15,6 +16,16 @@ from typing import Optional
 from .watch_rank import socket_path
 
 ASK_TIMEOUT_S = 2.0
+
+
+def forget(pid: int) -> None:
+    """Remove the socket of rank `pid` once its process is gone: a rank that was killed could not
+    (the folder would fill, launch after launch). A process that lives on (xmp's) keeps it."""
+    if pid and not os.path.exists(f"/proc/{pid}"):
+        try:
+            os.unlink(socket_path(pid))
+        except OSError:
+            pass
 
 
 def ask(pid: int, handler: str, timeout: float = ASK_TIMEOUT_S) -> Optional[bytes]:

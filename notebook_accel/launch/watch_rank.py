@@ -35,6 +35,10 @@ def start() -> bool:
     global _server
     if os.environ.get("NOTEBOOK_ACCEL_STALL_AFTER", "").strip() in ("0", "0.0"):  # the plan's: watch off
         return False
+    if _server is not None:
+        # One per process serves every rank in it (xmp runs a process's devices as threads, one
+        # after another too). Replacing it would free it, whose destructor joins its thread: a hang.
+        return True
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER_SIZE)  # read when the first group is made
     try:
         from torch._C._distributed_c10d import _WorkerServer

@@ -325,7 +325,9 @@ class _Hub:
                     return
 
     def _watched(self) -> list:
-        """(rank, pid, returned) of each rank's latest attempt, for the stall watch."""
+        """(rank, pid, rank_state) of each rank's latest attempt, for the stall watch."""
+        from ..watch import rank_state
+
         latest = {}
         for local_rank, attempt in self.pids:
             latest[local_rank] = max(attempt, latest.get(local_rank, attempt))
@@ -335,7 +337,8 @@ class _Hub:
             if outcome is not None and outcome[0] == attempt and outcome[1] != "result":
                 continue  # failed or stopped: the agent restarts it or ends the launch
             returned = outcome is not None and outcome[0] == attempt
-            out.append((self.ranks[local_rank], self.pids[(local_rank, attempt)], returned))
+            state = rank_state(returned, self.channels.get((local_rank, attempt)))
+            out.append((self.ranks[local_rank], self.pids[(local_rank, attempt)], state))
         return out
 
     def _running(self) -> list:
@@ -395,8 +398,8 @@ class _Hub:
     def _deliver(self, conn: _Conn, events: list) -> None:
         local_rank, attempt, stream = conn.key
         chan = conn.channel
-        if events:
-            for event in self.watch.progress(time.monotonic()):  # output or an outcome: a rank moves
+        if chan.moved() or events:
+            for event in self.watch.progress(time.monotonic()):  # output, an outcome, its function began
                 self.sink.handle(event)
         for event in events:
             if isinstance(event, ev.RankStarted):

@@ -280,6 +280,52 @@ def test_stop_ends_every_actor(cluster):
     assert _nothing_of_ours_left()
 
 
+def _mismatch():
+    import torch
+    import torch.distributed as dist
+
+    from notebook_accel import PartialState
+
+    state = PartialState()
+    t = torch.ones(4)
+    if state.process_index == 0:
+        dist.all_reduce(t)
+    else:
+        dist.barrier()
+
+
+class StopOnStall(Recorder):
+    """Stops the launch at the watch's first report on ranks past their start (one still importing
+    is "starting": a report, but not the stall this test makes)."""
+
+    def attach(self, control):
+        self.control = control
+
+    def handle(self, event):
+        super().handle(event)
+        if isinstance(event, ev.LaunchStalled) and all(r.state != "starting" for r in event.report.ranks):
+            self.control.request_stop("the test saw the stall")
+
+
+def test_the_stall_watch_asks_ray_ranks_through_their_actors(cluster):
+    """The driver cannot reach a pid on another node: each rank's actor asks its own process's worker
+    server, and the report names each rank's collective and line as for a local launch."""
+    from notebook_accel.launch.errors import LaunchStoppedError
+
+    sink = StopOnStall()
+    with pytest.raises(LaunchStoppedError) as caught:
+        notebook_launcher(_mismatch, num_processes=2, engine="ray", placement="strict_spread", stall_after=2,
+                          timeout=120, sinks=[sink])  # fmt: skip
+    report = [e.report for e in sink.of(ev.LaunchStalled)][-1]
+    assert report.stalled and [r.state for r in report.ranks] == ["waiting", "waiting"], report
+    assert "rank 0 waits in all_reduce #" in report.sentence and "(float32[4])" in report.sentence, report.sentence
+    assert "rank 1 waits in barrier #" in report.sentence, report.sentence
+    assert "test_ray_engine.py, line" in report.sentence and "in _mismatch" in report.sentence, report.sentence
+    assert "dist.all_reduce(t)" in report.text() and "dist.barrier()" in report.text(), report.text()
+    assert caught.value.stall is report and report.sentence in str(caught.value)
+    assert _nothing_of_ours_left()
+
+
 def _hold_memory(mib):
     import os
     import time

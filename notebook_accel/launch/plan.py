@@ -311,7 +311,7 @@ def _ray_plan(num_processes, mixed_precision, ray, config_env, fsdp, stall_after
         MIXED_PRECISION_ENV: mixed_precision,
         "OMP_NUM_THREADS": str(threads),
         "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
-        stall_settings.STALL_AFTER_ENV: "0",  # the stall watch does not reach Ray ranks yet
+        stall_settings.STALL_AFTER_ENV: f"{stall_after:g}",  # 0: the ranks serve nothing to a watch
     }
     if not ray.resources.get("GPU"):
         env[USE_CPU_ENV] = "1"  # ranks without a GPU form one MULTI_CPU job, accelerate's own included

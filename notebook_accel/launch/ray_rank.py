@@ -1,10 +1,11 @@
 """One rank of a Ray launch, inside its actor on a node (starters/ray_engine.py drives it).
 
 Everything travels over Ray's own actor calls, never a socket back to the driver, so a driver the
-nodes cannot reach (Ray Client, a laptop) works. The actor serves two calls at once: `run` (the
-function) and `take` (the output since the last call): its fds 1 and 2 are pipes while `run` runs,
-so what the rank prints, C extensions included, reaches the driver's events and not Ray's log files
-(which Ray would print on the driver a second time)."""
+nodes cannot reach (Ray Client, a laptop) works. The actor serves three calls at once: `run` (the
+function), `take` (the output since the last call) and `probe` (the stall watch's questions, which
+the actor asks its own process's worker server: watch_rank.py): its fds 1 and 2 are pipes while
+`run` runs, so what the rank prints, C extensions included, reaches the driver's events and not Ray's
+log files (which Ray would print on the driver a second time)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ def versions() -> dict:
 
 
 class RankActor:
-    """Created by the driver with `ray.remote(max_concurrency=2)`, one per rank and bundle."""
+    """Created by the driver with `ray.remote(max_concurrency=CALLS)`, one per rank and bundle."""
+
+    CALLS = 3  # run, take and probe at once
 
     def __init__(self):
+        self._calling = False  # the function has begun (it was loaded: imports, unpickling)
         self._lock = threading.Lock()
         self._chunks: list = []  # (stream, bytes) read since the last `take`
         self._readers: list = []
@@ -48,16 +52,24 @@ class RankActor:
         return free_port()
 
     def take(self) -> tuple:
-        """(the output since the last call as (stream, bytes) pieces, a RankResources or None): the
-        resources are sampled here, on the rank's node, at most once a second, as the launcher
-        samples a local rank's."""
+        """(the output since the last call as (stream, bytes) pieces, a RankResources or None,
+        whether the function has begun): the resources are sampled here, on the rank's node, at most
+        once a second, as the launcher samples a local rank's."""
         with self._lock:
             chunks, self._chunks = self._chunks, []
             sampler = self._sampler
         usage = None
         if sampler is not None and sampler.due(time.monotonic()):
             usage = next(iter(sampler.sample(time.monotonic(), list(sampler.ranks))), None)
-        return chunks, usage
+        return chunks, usage, self._calling
+
+    def probe(self, stacks: bool) -> tuple:
+        """(the rank's collectives, its threads' stacks as text when `stacks`), each None where its
+        worker server did not answer: what watch_probe reads of a local rank by its pid."""
+        from . import watch_probe
+
+        pid = os.getpid()
+        return watch_probe.collectives(pid), (watch_probe.stacks(pid) if stacks else None)
 
     def run(self, env: dict, threads: int, payload: bytes) -> tuple:
         """("result", body, buffers) or ("error", report): as a forked rank reports on its socket."""
@@ -66,12 +78,16 @@ class RankActor:
         with self._lock:
             self._sampler = ResourceSampler({int(env["RANK"]): os.getpid()})
         saved = self._capture()
+        self._calling = False
         try:
-            return _run(env, threads, payload)
+            return _run(env, threads, payload, lambda: setattr(self, "_calling", True))
         finally:
             self._release(saved)
             with self._lock:
                 self._sampler = None
+            from . import watch_rank
+
+            watch_rank.stop()  # an actor runs one rank, then the driver kills it: no socket left behind
 
     def _capture(self) -> tuple:
         from .child import flush_output
@@ -137,7 +153,7 @@ def _read_some(fd: int) -> bytes:
         return b""
 
 
-def _run(env: dict, threads: int, payload: bytes) -> tuple:
+def _run(env: dict, threads: int, payload: bytes, calling) -> tuple:
     from .child import _destroy_group, _error_report, flush_output
     from .payload import dumps_result, loads
 
@@ -148,10 +164,14 @@ def _run(env: dict, threads: int, payload: bytes) -> tuple:
 
         torch.set_num_threads(threads)
         from .. import state
+        from . import watch_rank
+
+        watch_rank.start()  # off where the plan turned the watch off (its env); one per process
 
         for kind in (state.PartialState, state.AcceleratorState, state.GradientState):
             kind._reset_state()  # a reused actor process: the last launch's state is not this one's
         function, args = loads(payload)
+        calling()
         result = function(*args)
     except BaseException as exc:  # everything, SystemExit and KeyboardInterrupt too
         flush_output()

@@ -4,7 +4,8 @@ report of where every rank is (stall.py); LaunchResumed once one moves again. Th
 
 Cheap while ranks talk: nothing is asked of them until they have been quiet for a third of
 `stall_after`; then each rank's collective counters are read every third of it (watch_probe.py),
-and only a stall takes their stacks.
+and only a stall takes their stacks. A probe asks by a key: a local rank's pid, or whatever an
+engine whose ranks the launcher cannot reach by pid asks through (Ray: the rank, via its actor).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ JOIN_GRACE_S = 2.0
 
 
 class Watch:
-    def __init__(self, stall_after: float, now: float, label=None):
+    def __init__(self, stall_after: float, now: float, label=None, probe=watch_probe):
         self.stall_after = float(stall_after or 0.0)
         self.label = label  # names notebook files `Cell In[N]` (launch/frontend.py)
+        self.probe = probe  # collectives(key) and stacks(key): watch_probe's, by pid, or an engine's
         self.last_progress = now
         self.next_probe = 0.0
         self.issued: dict = {}  # rank -> {group: the last sequence number it enqueued}
@@ -45,11 +47,11 @@ class Watch:
         return [ev.LaunchResumed()]
 
     def tick(self, now: float, ranks: list) -> list:
-        """`ranks`: (rank, pid, rank_state(...)) of every rank not failed. The events to send now."""
+        """`ranks`: (rank, key, rank_state(...)) of every rank not failed. The events to send now."""
         if not self.on or now - self.last_progress < self.stall_after / 3 or now < self.next_probe:
             return []
         self.next_probe = now + max(MIN_PROBE_S, self.stall_after / 3)
-        seen = {rank: watch_probe.collectives(pid) for rank, pid, returned in ranks if not returned}
+        seen = {rank: self.probe.collectives(key) for rank, key, returned in ranks if not returned}
         events = []
         for rank, found in seen.items():
             if found is None:
@@ -76,7 +78,7 @@ class Watch:
         return (stuck, left) if now - self.doomed_since >= JOIN_GRACE_S else None
 
     def snapshot(self, seconds: float, ranks: list, seen: Optional[dict] = None) -> stall.StallReport:
-        return snapshot(seconds, ranks, self.label, seen)
+        return snapshot(seconds, ranks, self.label, seen, probe=self.probe)
 
 
 def rank_state(returned: bool, channel):
@@ -87,18 +89,19 @@ def rank_state(returned: bool, channel):
     return "starting" if channel is not None and not channel.calling else False
 
 
-def snapshot(seconds: float, ranks: list, label=None, seen: Optional[dict] = None, asked: bool = False):
-    """Where every rank is now: its stacks and collectives. `ranks`: (rank, pid, returned), or
-    (rank, pid, state) with a state of stall.RankWhere's; `asked`: on demand (a Stacks button,
-    Session.stacks()), not because of a stall."""
+def snapshot(seconds: float, ranks: list, label=None, seen: Optional[dict] = None, asked: bool = False, probe=None):
+    """Where every rank is now: its stacks and collectives. `ranks`: (rank, key, returned), or
+    (rank, key, state) with a state of stall.RankWhere's; `asked`: on demand (a Stacks button,
+    Session.stacks()), not because of a stall; `probe`: what asks by key (watch_probe: by pid)."""
+    probe = probe or watch_probe
     seen = seen or {}
     where = []
-    for rank, pid, returned in ranks:
+    for rank, key, returned in ranks:
         if returned is True or returned in ("returned", "idle", "failed", "starting"):
             where.append(stall.RankWhere(rank, "returned" if returned is True else returned))
             continue
-        found = seen.get(rank) or watch_probe.collectives(pid)
-        text = watch_probe.stacks(pid)
+        found = seen.get(rank) or probe.collectives(key)
+        text = probe.stacks(key)
         threads = stall.frames_of(text) if text else ()
         if found is None and not threads:
             where.append(stall.RankWhere(rank, "unknown"))

@@ -72,7 +72,8 @@ def _forget_in_child() -> None:
 
 
 def stop() -> None:
-    """Remove the socket (the server thread ends with the process; shutting it down logs too)."""
+    """Remove the socket, for good: the server thread ends with the process (shutting it down logs
+    too), and a later `start` here keeps it, so call this only when the process's ranks are over."""
     if _server is not None:
         try:
             os.unlink(socket_path(os.getpid()))

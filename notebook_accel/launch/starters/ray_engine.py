@@ -18,6 +18,7 @@ from .local import finished
 POLL_S = 0.1  # how often the driver asks the ranks for their output and checks for a stop
 NOTICE_AFTER_S = 2.0  # a placement group not ready by then: say that the launch waits for the cluster
 TAKE_WAIT_S = 10.0  # a rank's output call that takes longer is left for the next poll
+PROBE_WAIT_S = 5.0  # the stall watch's question to a rank's actor (which asks its server for 2 s at most)
 PROBE_S = 5.0  # a cluster address that does not answer a TCP connect by then is not a cluster
 REMOVE_WAIT_S = 10.0  # at most this long for Ray to free a launch's bundles
 
@@ -138,6 +139,8 @@ class RayLaunch:
         self.splitters: dict = {}
         self.takes: dict = {}  # rank -> its `take` call in flight
         self.peak_rss: dict = {}  # rank -> the highest RSS its node reported
+        self.calling: set = set()  # ranks whose function has begun
+        self.stall_watch = None  # the stall watch, from the ranks' start (watch.py)
 
     # -- placing -------------------------------------------------------------------------------
     def place(self) -> None:
@@ -162,7 +165,7 @@ class RayLaunch:
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
             try:
                 self.actors.append(
-                    actor.options(max_concurrency=2, scheduling_strategy=strategy, **options).remote()
+                    actor.options(max_concurrency=RankActor.CALLS, scheduling_strategy=strategy, **options).remote()
                 )
             except ValueError as exc:
                 if "runtime_env" in options and "job level" in str(exc):  # a local folder, on an actor
@@ -235,6 +238,10 @@ class RayLaunch:
         port = self._get([self.actors[self.ranks[0]].free_port.remote()], "rank 0 to pick a port")[0]
         envs = self.rank_envs(port)
         started = time.monotonic()
+        from .. import frontend
+        from ..watch import Watch
+
+        self.stall_watch = Watch(self.plan.stall_after, started, frontend.label_traceback, probe=_Probe(self))
         running = {}
         for rank, index in enumerate(self.ranks):
             self.sink.handle(ev.RankStarted(rank, self.where[rank]["pid"], _node(self.where[rank])))
@@ -248,6 +255,7 @@ class RayLaunch:
                 rank = running.pop(ref)
                 outcome = self._outcome(ref)
                 self._drain(rank)  # the rank's last lines, before what it returned
+                self._moved()
                 if outcome[0] == "result":
                     # Ray hands back bytes: a tensor must not be built on read-only memory.
                     results[rank] = loads_result(outcome[1], [bytearray(b) for b in outcome[2]])
@@ -261,7 +269,24 @@ class RayLaunch:
                     self.sink.handle(ev.RankStopped(other, f"rank {failed[0].rank} failed"))
                 raise LaunchFailedError(failed)
             self._check_stop("", sorted(running.values()))
+            self._tick(running, results)
         return results
+
+    def _tick(self, running: dict, results: list) -> None:
+        """The stall watch's turn: the ranks that run are asked through their actors (`_Probe`)."""
+        ranks = []
+        for rank in range(len(self.ranks)):
+            if rank in running.values():
+                ranks.append((rank, rank, False if rank in self.calling else "starting"))
+            elif results[rank] is not None:
+                ranks.append((rank, rank, True))
+        for event in self.stall_watch.tick(time.monotonic(), ranks):
+            self.sink.handle(event)
+
+    def _moved(self) -> None:
+        if self.stall_watch is not None:
+            for event in self.stall_watch.progress(time.monotonic()):
+                self.sink.handle(event)
 
     def _outcome(self, ref) -> tuple:
         try:
@@ -306,9 +331,13 @@ class RayLaunch:
             rank = refs[ref]
             del self.takes[rank]
             try:
-                chunks, usage = self.ray.get(ref)
+                chunks, usage, calling = self.ray.get(ref)
             except self.ray.exceptions.RayError:
                 continue  # the actor is gone: its run call says how
+            if chunks or (calling and rank not in self.calling):
+                self._moved()  # output, or its function began
+            if calling:
+                self.calling.add(rank)
             for stream, data in chunks:
                 self._lines(rank, stream, LineSplitter.feed, data)
             if usage is not None:
@@ -336,7 +365,7 @@ class RayLaunch:
         for rank in running:
             self.sink.handle(ev.RankStopped(rank, reason))
         kind = LaunchTimeoutError if self.control.timed_out else LaunchStoppedError
-        raise kind(reason)
+        raise kind(reason, stall=self.stall_watch.last_report if self.stall_watch is not None else None)
 
     def _get(self, refs: list, what: str) -> list:
         """ray.get, watching for a stop or the timeout; an actor that cannot start names its node."""
@@ -400,6 +429,27 @@ class RayLaunch:
             return True
         except Exception:  # the connection itself went: nothing more to wait for here
             return True
+
+
+class _Probe:
+    """The stall watch's questions to a Ray rank (its key is the rank), asked through its actor: the
+    driver cannot reach a pid on another node. A rank that does not answer in time is unknown."""
+
+    def __init__(self, launch: RayLaunch):
+        self.launch = launch
+
+    def _ask(self, rank: int, stacks: bool) -> tuple:
+        actor = self.launch.actors[self.launch.ranks[rank]]
+        try:
+            return self.launch.ray.get(actor.probe.remote(stacks), timeout=PROBE_WAIT_S)
+        except Exception:  # noqa: BLE001 - a timeout, a dead actor: the report says it did not answer
+            return None, None
+
+    def collectives(self, rank: int):
+        return self._ask(rank, False)[0]
+
+    def stacks(self, rank: int):
+        return self._ask(rank, True)[1]
 
 
 def order(where: list) -> tuple:

@@ -30,6 +30,8 @@ FAMILY_TYPES = {
 }
 
 _INT, _STR, _BOOL, _DICT, _LIST = (int,), (str,), (bool,), (dict,), (list,)
+RAY_KEYS = ("engine", "ray_address", "resources_per_rank", "placement")
+RAY_PLACEMENTS = ("pack", "spread", "strict_pack", "strict_spread")
 # Keys accelerate writes that a launch here does not act on: type-checked, kept, written back.
 _KEPT = {
     "same_network": _BOOL,
@@ -87,6 +89,10 @@ class ClusterConfig:
     rdzv_backend: str = "static"
     max_restarts: int = 0  # ours, not accelerate's: written only when set, so accelerate can read the file
     stall_after: Optional[float] = None  # ours too (the stall watch's seconds, 0: off); None: not set
+    engine: Optional[str] = None  # ours: "ray" runs launches' ranks as Ray actors; None: as the arguments say
+    ray_address: Optional[str] = None  # ours, with engine: ray (as the launch arguments of those names)
+    resources_per_rank: Optional[dict] = None
+    placement: Optional[str] = None
     extra: dict = field(default_factory=dict)  # accelerate keys kept as read (see _KEPT)
     path: Optional[str] = field(default=None, compare=False)
 
@@ -167,6 +173,7 @@ class ClusterConfig:
             isinstance(stall, bool) or not isinstance(stall, _SECONDS) or not math.isfinite(stall) or stall < 0
         ):
             fail("stall_after", f"{stall!r} must be a number of seconds, 0 or more (0 turns the stall watch off)")
+        self._validate_ray(fail)
         if self.main_process_port is not None and not 1 <= self.main_process_port <= 65535:
             fail("main_process_port", f"{self.main_process_port} is outside 1..65535")
         if self.num_machines > 1 and not self.main_process_ip:
@@ -212,6 +219,31 @@ class ClusterConfig:
                 f"{self.gpu_ids!r} lists {len(ids)} device(s) but each machine runs "
                 f"{n // self.num_machines} processes",
             )
+
+    def _validate_ray(self, fail) -> None:
+        """engine: ray's keys (their values' finer rules are the launch's: launch/ray_plan.py)."""
+        if self.engine not in (None, "ray"):
+            why = "write ray, or leave it out (this machine, or torch elastic across machines, as the keys say)"
+            fail("engine", f"{self.engine!r} is not an engine here: {why}")
+        if self.engine != "ray":
+            for key in RAY_KEYS[1:]:
+                if getattr(self, key) is not None:
+                    fail(key, "only applies with engine: ray: add it, or remove this key")
+            return
+        if self.placement is not None and self.placement not in RAY_PLACEMENTS:
+            fail("placement", f"{self.placement!r} is not one of {', '.join(RAY_PLACEMENTS)}")
+        placing = {
+            "num_machines": self.num_machines != 1,
+            "machine_rank": self.machine_rank != 0,
+            "main_process_ip": self.main_process_ip is not None,
+            "main_process_port": self.main_process_port is not None,
+            "rdzv_backend": self.rdzv_backend != "static",
+            "max_restarts": self.max_restarts != 0,
+            "gpu_ids": self.gpu_ids not in (None, "all"),
+        }
+        for key, set_here in placing.items():
+            if set_here:
+                fail(key, "engine: ray places the ranks on the cluster itself: remove this key")
 
     # -- what a launch uses ----------------------------------------------------------------
     @property
@@ -273,7 +305,7 @@ class ClusterConfig:
         out = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "path")
         }
-        for key in ("distributed_type", "num_processes", "gpu_ids", "stall_after"):
+        for key in ("distributed_type", "num_processes", "gpu_ids", "stall_after", *RAY_KEYS):
             if out[key] is None:
                 del out[key]
         if not self.max_restarts:
@@ -315,6 +347,10 @@ _FIELD_TYPES = {
     "rdzv_backend": _STR,
     "max_restarts": _INT,
     "stall_after": _SECONDS,
+    "engine": _STR,
+    "ray_address": _STR,
+    "resources_per_rank": _DICT,
+    "placement": _STR,
 }
 _NULLABLE = ("distributed_type", "num_processes", "gpu_ids", "main_process_ip", "main_process_port")
 

@@ -115,6 +115,13 @@ def test_legacy_fp16_key_means_fp16(config_file):
         ("main_process_port: 70000\n", "main_process_port", "outside 1..65535"),
         ("gpu_ids: '0,x'\n", "gpu_ids", "must be 'all' or device indices"),
         ("gpu_ids: '0'\nnum_processes: 2\n", "gpu_ids", "lists 1 device(s) but each machine runs 2"),
+        ("engine: spark\n", "engine", "'spark' is not an engine here: write ray, or leave it out"),
+        ("ray_address: auto\n", "ray_address", "only applies with engine: ray"),
+        ("placement: spread\n", "placement", "only applies with engine: ray"),
+        ("engine: ray\nplacement: diagonal\n", "placement", "'diagonal' is not one of pack, spread"),
+        ("engine: ray\nresources_per_rank: 2\n", "resources_per_rank", "must be a mapping"),
+        ("engine: ray\nnum_machines: 2\nmain_process_ip: h\n", "num_machines", "engine: ray places the ranks"),
+        ("engine: ray\nmax_restarts: 1\n", "max_restarts", "engine: ray places the ranks"),
     ],
 )
 def test_bad_file_names_file_key_and_reason(config_file, text, key, reason):

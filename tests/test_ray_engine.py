@@ -487,8 +487,13 @@ def test_the_command_line_launches_a_script_on_the_cluster(cluster, tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     for rank in (0, 1):
         assert f"[rank {rank}] script rank {rank} of 2 says hi: 2.0" in run.stdout
-    failed = subprocess.run([*cli, str(script), "hi", "fail"], capture_output=True, text=True, timeout=180,
-                            env=env, cwd=tmp_path)  # fmt: skip
+    # The config file's engine: ray and Ray keys, without --engine.
+    config = tmp_path / "ray.yaml"
+    config.write_text(f"engine: ray\nray_address: {cluster.address}\nplacement: strict_spread\nnum_processes: 2\n")
+    from_file = [sys.executable, "-m", "notebook_accel.commands.cli", "launch", "--config_file", str(config)]
+    no_address = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
+    failed = subprocess.run([*from_file, str(script), "hi", "fail"], capture_output=True, text=True, timeout=180,
+                            env=no_address, cwd=tmp_path)  # fmt: skip
     assert failed.returncode == 1
     assert "rank 1 on node" in failed.stderr and "RuntimeError: told to fail" in failed.stderr
     assert 'raise RuntimeError("told to fail")' in failed.stderr  # the script's line, though the node has no copy

@@ -139,3 +139,29 @@ def test_a_nodes_device_list_puts_each_ranks_own_gpu_at_its_local_rank(per_rank,
     from notebook_accel.launch.starters.ray_engine import _devices
 
     assert _devices(per_rank) == visible
+
+
+def test_a_config_file_s_engine_ray_and_its_ray_keys_fill_in_what_the_caller_left_out(tmp_path):
+    path = tmp_path / "ray.yaml"
+    path.write_text("engine: ray\nray_address: ray://head:10001\nplacement: spread\nresources_per_rank: {CPU: 2}\n")
+    plan = make_plan(num_processes=2, config_file=str(path))
+    assert plan.engine == "ray" and plan.ray.address == "ray://head:10001" and plan.ray.placement == "SPREAD"
+    assert plan.ray.resources == {"CPU": 2}
+    assert any(str(path) in note and "engine='ray'" in note for note in plan.notes), plan.notes
+    # What the caller says wins over the file.
+    mine = make_plan(num_processes=2, config_file=str(path), placement="strict_spread", ray_address="auto")
+    assert (mine.ray.placement, mine.ray.address) == ("STRICT_SPREAD", "auto")
+
+
+def test_a_launch_that_places_its_own_ranks_is_not_turned_into_a_ray_launch_by_the_file(tmp_path):
+    """An interactive session or a debug launch passes ONE_MACHINE: a file's engine: ray does not
+    make it a Ray launch, and the plan says why the file's engine went unused."""
+    from notebook_accel.launch.plan import ONE_MACHINE
+
+    path = tmp_path / "ray.yaml"
+    path.write_text("engine: ray\nplacement: spread\n")
+    plan = make_plan(num_processes=2, config_file=str(path), **ONE_MACHINE)
+    assert plan.engine == "local"
+    assert any("says engine: ray, which this launch does not use" in note for note in plan.notes), plan.notes
+    with pytest.raises(LaunchConfigError, match="engine='ray' places the ranks itself, so num_nodes"):
+        make_plan(num_processes=2, config_file=str(path), engine="ray", num_nodes=2)

@@ -141,8 +141,9 @@ def _ray_kwargs(args: argparse.Namespace) -> dict:
         "ray_address": args.ray_address,
         "resources_per_rank": args.resources_per_rank,
         "runtime_env": args.runtime_env,
-        "placement": args.placement or "pack",
     }
+    if args.placement is not None:
+        out["placement"] = args.placement
     out.update(_placing_kwargs(args))
     if args.start_method is not None:
         out["start_method"] = args.start_method
@@ -285,10 +286,12 @@ def run(args: argparse.Namespace) -> int:
         "--runtime_env": args.runtime_env,
     }
     given = [flag for flag, value in ray_flags.items() if value is not None]
-    if given and args.engine != "ray":
-        parser.error(f"{', '.join(given)} only apply with --engine ray: add it, or leave them out")
     try:
         config = cfg.load_config(args.config_file) if args.config_file else cfg.load_default()
+        if config is not None and config.engine == "ray" and args.engine is None:
+            args.engine = "ray"  # the file's engine: its Ray keys fill in what the flags leave out (make_plan)
+        if given and args.engine != "ray":
+            parser.error(f"{', '.join(given)} only apply with --engine ray: add it, or leave them out")
         kwargs = _ray_kwargs(args) if args.engine == "ray" else _launch_kwargs(args, config)
     except cfg.ConfigError as exc:
         print(f"notebook-accel launch: {exc}", file=sys.stderr)

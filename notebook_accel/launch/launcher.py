@@ -43,7 +43,7 @@ def notebook_launcher(
     engine: Optional[str] = None,
     ray_address: Optional[str] = None,
     resources_per_rank: Optional[dict] = None,
-    placement: str = "pack",
+    placement: str = default("pack"),
     runtime_env: Optional[dict] = None,
 ) -> list:
     """Run `function(*args)` on `num_processes` processes; return each local rank's return value.

@@ -137,7 +137,7 @@ def make_plan(
     engine=None,
     ray_address=None,
     resources_per_rank=None,
-    placement="pack",
+    placement=default("pack"),
     runtime_env=None,
 ) -> LaunchPlan:
     from .. import hardware
@@ -148,12 +148,14 @@ def make_plan(
 
     notes = []
     arguments = locals()
-    if ray_plan.check_engine(engine) == "ray":
+    ray_plan.check_engine(engine)
+    # The config file fills in what the caller left out.
+    chosen, config_env, config = _with_config(config_file, notes, {n: arguments[n] for n in _CONFIGURABLE})
+    engine, ray_address, resources_per_rank, placement = _engine_from_config(arguments, config, notes)
+    if engine == "ray":
         ray_plan.refuse_placing({name: _passed(arguments[name]) for name in ray_plan.PLACED_BY_RAY})
     else:
         ray_plan.refuse_without_ray(ray_address, resources_per_rank, placement, runtime_env)
-    # The config file fills in what the caller left out.
-    chosen, config_env, config = _with_config(config_file, notes, {n: arguments[n] for n in _CONFIGURABLE})
     stall_after = stall_settings.resolve_stall_after(stall_after, config)  # env beats the config
     num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes, cpu = (
         chosen[name] for name in _CONFIGURABLE[:7]
@@ -395,6 +397,27 @@ _CONFIGURABLE = (
     "debug",
     "gpu_ids",
 )
+
+
+def _engine_from_config(arguments: dict, config, notes: list) -> tuple:
+    """(engine, ray_address, resources_per_rank, placement): the arguments, with a config file's
+    `engine: ray` and its Ray keys where the caller chose none. A caller that places its ranks itself
+    (an interactive session, a debug launch: ONE_MACHINE) is not turned into a Ray launch by it."""
+    names = ("engine", "ray_address", "resources_per_rank", "placement")
+    values = {name: arguments[name] for name in names}
+    if config is None or config.engine != "ray":
+        return tuple(values[name] for name in names)
+    placing = [name for name in ray_plan.PLACED_BY_RAY if _passed(arguments[name])]
+    if placing and values["engine"] is None:
+        placed = ", ".join(placing)
+        notes.append(f"{config.path} says engine: ray, which this launch does not use: it places its ranks ({placed})")
+        return tuple(values[name] for name in names)
+    taken = {name: getattr(config, name) for name in names if getattr(config, name) is not None}
+    taken = {name: value for name, value in taken.items() if is_default(values[name])}
+    values.update(taken)
+    if taken:
+        notes.append(f"from {config.path}: " + ", ".join(f"{k}={v!r}" for k, v in taken.items()))
+    return tuple(values[name] for name in names)
 
 
 def _with_config(config_file, notes: list, given: dict) -> tuple:

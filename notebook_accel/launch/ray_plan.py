@@ -9,16 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..config import RAY_PLACEMENTS
 from .errors import LaunchConfigError
 
 ENGINES = (None, "ray")
-# Our names (as the issue and Ray Train's docs write them) -> Ray's placement strategies.
-PLACEMENTS = {
-    "pack": "PACK",
-    "spread": "SPREAD",
-    "strict_pack": "STRICT_PACK",
-    "strict_spread": "STRICT_SPREAD",
-}
+# Our names (as Ray Train's docs write them) -> Ray's placement strategies.
+PLACEMENTS = {name: name.upper() for name in RAY_PLACEMENTS}
 # Arguments that place ranks on machines: Ray does that, so passing one with engine="ray" is an error.
 PLACED_BY_RAY = (
     "num_nodes",

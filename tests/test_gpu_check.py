@@ -18,6 +18,7 @@ CHECKS = [
     "rank_device_memory_sampled_through_nvml",
     "fsdp_cpu_offload_and_bf16_hook_on_two_gpus",
     "stall_report_names_the_nccl_collective",
+    "ray_rank_gets_its_own_gpu",
     "training_step_fp32",
     "training_step_bf16",
     "training_step_fp16",

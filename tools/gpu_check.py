@@ -225,6 +225,30 @@ print("RESULT " + json.dumps(out))
 """
 
 
+RAY_CHILD = r"""
+import json, sys
+import ray, torch
+from notebook_accel import notebook_launcher
+
+
+def where():  # defined in __main__: it travels to the actor by value
+    import os
+    import torch
+    local = int(os.environ["LOCAL_RANK"])
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "local_rank": local,
+            "count": torch.cuda.device_count(), "device": str(torch.ones(1, device=f"cuda:{local}").device),
+            "type": os.environ.get("ACCELERATE_USE_CPU")}
+
+
+ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+try:
+    ranks = notebook_launcher(where, num_processes=1, engine="ray", resources_per_rank={"CPU": 1, "GPU": 1},
+                              timeout=float(sys.argv[1]))
+finally:
+    ray.shutdown()
+print("RESULT " + json.dumps({"ranks": ranks, "initialized": torch.cuda.is_initialized()}))
+"""
+
 RESULTS_CHILD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -484,6 +508,22 @@ def check_two_gpus(tmp: str) -> dict:
             problems.append(f"BF16 hook: rank {r['rank']} {r['type']}, gradients bf16-rounded: {r['grads_bf16_rounded']}")
     return verdict(problems, "FSDP2 cpu_offload keeps shards on the CPU and trains like no offload; the BF16 hook "
                    "rounds all-reduced gradients to bf16", **res)  # fmt: skip
+
+
+def check_ray_gpu(tmp: str) -> dict:
+    """Issue #31: a Ray rank with {"GPU": 1} sees exactly the GPU Ray gave its actor, as cuda:LOCAL_RANK."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return skip("ray is not installed (pip install 'notebook_accel[ray]')")
+    res = _child(RAY_CHILD, str(LAUNCH_TIMEOUT_S))
+    problems = ["the launching process initialised CUDA"] if res["initialized"] else []
+    (rank,) = res["ranks"]
+    if rank["visible"] != "0" or rank["count"] != 1 or rank["device"] != "cuda:0" or rank["local_rank"] != 0:
+        problems.append(f"the rank saw {rank}, expected CUDA_VISIBLE_DEVICES '0', one device, cuda:0")
+    if rank["type"] is not None:
+        problems.append(f"ACCELERATE_USE_CPU={rank['type']!r} in a rank given a GPU")
+    return verdict(problems, "a Ray rank given one GPU sees exactly it, as cuda:LOCAL_RANK", rank=rank)
 
 
 def check_nccl_stall(tmp: str) -> dict:
@@ -849,6 +889,7 @@ def main(argv=None) -> int:
             ("rank_device_memory_sampled_through_nvml", needs_cuda(check_rank_device_memory, tmp)),
             ("fsdp_cpu_offload_and_bf16_hook_on_two_gpus", needs_cuda(check_two_gpus, tmp)),
             ("stall_report_names_the_nccl_collective", needs_cuda(check_nccl_stall, tmp)),
+            ("ray_rank_gets_its_own_gpu", needs_cuda(check_ray_gpu, tmp)),
             # Everything below initialises CUDA in this process, so it comes after the fresh children.
             ("training_step_fp32", needs_cuda(check_training, "no", timings)),
             ("training_step_bf16", needs_cuda(check_training, "bf16", timings)),

@@ -301,6 +301,19 @@ def sent(fake: FakeComm) -> list:
 
 
 @pytest.mark.timeout(30)
+def test_a_rank_s_node_goes_to_the_extension(monkeypatch):
+    """A Ray rank's RankStarted names its node; the extension's panel shows it beside the pid
+    (extension/test/render.test.ts)."""
+    page = FakeComm()
+    monkeypatch.setitem(comm._comms, "page", page)
+    sink = comm.CommSink()
+    sink.handle(ev.LaunchStarted(num_processes=1, start_method="ray", world_size=1))
+    sink.handle(ev.RankStarted(0, 31, "10.0.0.7 (a1b2c3d4)"))
+    (started,) = [m for m in sent(page) if m["event"] == "RankStarted"]
+    assert (started["rank"], started["pid"], started["node"]) == (0, 31, "10.0.0.7 (a1b2c3d4)")
+
+
+@pytest.mark.timeout(30)
 def test_a_stall_goes_with_its_sentence_and_ranks_its_text_only_when_it_changed(tmp_path, monkeypatch):
     page = FakeComm()
     monkeypatch.setitem(comm._comms, "page", page)

@@ -71,6 +71,7 @@ export interface RankView {
   rank: number;
   state: RankState;
   pid?: number;
+  node?: string; // the rank's machine, where the launch names it (Ray): its pid is that machine's
   startedAt: number; // ms, this browser's clock
   seconds?: number; // set when the rank ended
   detail: string;
@@ -187,7 +188,7 @@ export class LaunchModel {
         launch.fsdp = msg.fsdp === true;
         return true;
       case 'RankStarted':
-        launch.ranks.set(msg.rank, newRank(msg.rank, now, msg.pid));
+        launch.ranks.set(msg.rank, newRank(msg.rank, now, msg.pid, typeof msg.node === 'string' ? msg.node : ''));
         launch.notice = undefined;
         return true;
       case 'LaunchNotice':
@@ -274,8 +275,8 @@ export class LaunchModel {
   }
 }
 
-function newRank(rank: number, now: number, pid?: number): RankView {
-  return { rank, state: 'running', pid, startedAt: now, detail: '', lines: [], dropped: 0 };
+function newRank(rank: number, now: number, pid?: number, node = ''): RankView {
+  return { rank, state: 'running', pid, node, startedAt: now, detail: '', lines: [], dropped: 0 };
 }
 
 function rankOf(launch: LaunchView, rank: number, now: number): RankView {

@@ -199,7 +199,7 @@ function renderRank(r: RankView, now: number, stalled?: StallRank): string {
   return (
     `<tr class="nacc-x-rank" data-rank="${r.rank}" data-state="${r.state}"${stall ? ' data-stalled="1"' : ''}>` +
     `<td>${r.rank}</td><td><span class="nacc-x-state nacc-x-${r.state}">${r.state}</span>${mark}</td>` +
-    `<td>${r.pid ?? '-'}</td><td>${formatSeconds(rankElapsed(r, now))}</td></tr>` +
+    `<td>${esc(r.pid ?? '-')}${r.node ? ` on ${esc(r.node)}` : ''}</td><td>${formatSeconds(rankElapsed(r, now))}</td></tr>` +
     `<tr class="nacc-x-output"><td colspan="4">${usageLine(r)}${detail}${more}${text}</td></tr>`
   );
 }

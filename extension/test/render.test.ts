@@ -39,6 +39,18 @@ test('a running launch has a Stop button and per-rank rows; a finished one has n
   assert.equal((html.match(/data-state="done"/g) ?? []).length, 3); // the launch and both ranks
 });
 
+test('a rank on another machine (a Ray launch) shows its node beside its pid', () => {
+  const model = new LaunchModel();
+  model.apply({ type: 'event', launch: 1, event: 'LaunchStarted', num_processes: 2, start_method: 'ray' }, 0);
+  model.apply({ type: 'event', launch: 1, event: 'RankStarted', rank: 0, pid: 31, node: '10.0.0.7 (a1b2c3d4)' }, 0);
+  model.apply({ type: 'event', launch: 1, event: 'RankStarted', rank: 1, pid: 32, node: '<b>' }, 0);
+  const html = renderPanel(model, 'nb.ipynb', 1000);
+  assert.match(html, /<td>31 on 10\.0\.0\.7 \(a1b2c3d4\)<\/td>/);
+  assert.match(html, /<td>32 on &lt;b&gt;<\/td>/); // escaped
+  model.apply({ type: 'event', launch: 2, event: 'RankStarted', rank: 0, pid: 40 }, 0);
+  assert.match(renderPanel(model, 'nb.ipynb', 1000), /<td>40<\/td>/); // a local rank: its pid alone
+});
+
 test('the session: per-rank rows with Restart and Stop session; none: a Start button', () => {
   const model = new LaunchModel();
   model.apply({ type: 'hello', hardware: { accelerators: [] }, preview: null, session: null });

@@ -43,6 +43,15 @@ def test_a_rank_channel_turns_streams_into_events():
     assert chan.open == {"stderr", "ctrl"}
 
 
+def test_a_rank_s_function_beginning_is_kept_and_told_once():
+    """("calling",): the rank got past its start; no event, but the stall watch's progress, once."""
+    chan = RankChannel(1)
+    chan.feed("ctrl", encode(("started", 7)))
+    assert not chan.calling and not chan.moved()
+    assert chan.feed("ctrl", encode(("calling",))) == []
+    assert chan.calling and chan.moved() and not chan.moved()
+
+
 def test_a_result_s_buffers_follow_its_frame_in_any_split():
     from notebook_accel.launch.payload import dumps_result
 

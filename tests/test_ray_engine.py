@@ -326,6 +326,29 @@ def test_the_stall_watch_asks_ray_ranks_through_their_actors(cluster):
     assert _nothing_of_ours_left()
 
 
+def _one_returns_one_sleeps():
+    import os
+    import time
+
+    if os.environ["RANK"] == "1":
+        return None  # most training functions return nothing
+    time.sleep(60)
+
+
+def test_a_ray_rank_that_returned_none_is_said_to_have_returned(cluster):
+    from notebook_accel.launch.errors import LaunchStoppedError
+
+    sink = StopOnStall()
+    with pytest.raises(LaunchStoppedError):
+        notebook_launcher(_one_returns_one_sleeps, num_processes=2, engine="ray", stall_after=2, timeout=120,
+                          sinks=[sink])  # fmt: skip
+    report = [e.report for e in sink.of(ev.LaunchStalled)][-1]
+    assert [r.state for r in report.ranks] == ["running", "returned"], report
+    assert "rank 1 returned from the function" in report.sentence, report.sentence
+    assert "in _one_returns_one_sleeps" in report.sentence, report.sentence  # rank 0's line, asked through its actor
+    assert _nothing_of_ours_left()
+
+
 def _hold_memory(mib):
     import os
     import time
@@ -507,7 +530,7 @@ def test_the_command_line_launches_a_script_on_the_cluster(cluster, tmp_path):
     assert _nothing_of_ours_left()
 
 
-def test_the_cell_magic_runs_on_ray_and_a_fork_launch_still_works_after(cluster, kernel):
+def test_the_cell_magic_runs_on_ray_and_a_fork_launch_still_works_after(cluster, kernel, tmp_path):
     from kernels import run
 
     _, kc = kernel
@@ -527,9 +550,14 @@ def test_the_cell_magic_runs_on_ray_and_a_fork_launch_still_works_after(cluster,
     assert not forked["errors"], forked["errors"]
     assert "[rank 0] forked 0" in forked["text"] and "[rank 1] forked 1" in forked["text"]
     # ... the kernel's own Ray connection is whole: a forked rank running Ray's atexit shutdown would break it.
-    again = run(kc, "%%accelerate -n 2 --engine ray\nprint('again')", timeout=180)
+    # Now from the config file's engine: ray (the cell travels pickled, not the kernel's namespace).
+    config = tmp_path / "ray.yaml"
+    config.write_text("engine: ray\nplacement: strict_spread\n")
+    run(kc, f"import os\nos.environ['NOTEBOOK_ACCEL_CONFIG_FILE'] = {str(config)!r}")
+    parent = "import psutil\nprint('again', psutil.Process().parent().name())"  # raylet starts Ray's workers
+    again = run(kc, f"%%accelerate -n 2\n{parent}", timeout=180)
     assert not again["errors"], again["errors"]
-    assert "[rank 1] again" in again["text"]
+    assert "[rank 1] again raylet" in again["text"], again["text"]
     assert _nothing_of_ours_left()
 
 

@@ -165,3 +165,29 @@ def test_a_launch_that_places_its_own_ranks_is_not_turned_into_a_ray_launch_by_t
     assert any("says engine: ray, which this launch does not use" in note for note in plan.notes), plan.notes
     with pytest.raises(LaunchConfigError, match="engine='ray' places the ranks itself, so num_nodes"):
         make_plan(num_processes=2, config_file=str(path), engine="ray", num_nodes=2)
+
+
+def test_on_ray_tells_the_cell_magic_what_to_prepare_for(tmp_path, monkeypatch):
+    """The magic pickles the cell for a Ray launch (its namespace stays home), not for a fork one."""
+    from notebook_accel.launch.plan import on_ray
+
+    path = tmp_path / "c.yaml"
+    monkeypatch.setenv("NOTEBOOK_ACCEL_CONFIG_FILE", str(path))
+    path.write_text("engine: ray\n")
+    assert on_ray({}) and on_ray({"engine": "ray"}) and on_ray({"num_processes": 2})
+    assert not on_ray({"start_method": "spawn"}) and not on_ray({"use_port": "29501"})
+    path.write_text("num_processes: 2\n")
+    assert not on_ray({}) and on_ray({"engine": "ray"})
+
+
+def test_the_preview_shows_a_config_file_s_ray_launch(tmp_path, monkeypatch):
+    from notebook_accel.launch.preview import launch_preview
+
+    path = tmp_path / "c.yaml"
+    monkeypatch.setenv("NOTEBOOK_ACCEL_CONFIG_FILE", str(path))
+    path.write_text("engine: ray\nnum_processes: 4\nplacement: spread\nresources_per_rank: {CPU: 2}\n")
+    rows = dict(launch_preview().rows)
+    assert rows["Start method"] == "ray (ray engine)" and rows["Processes"].startswith("4 on the Ray cluster")
+    assert rows["Each rank"] == "CPU 2, placed spread" and rows["Distributed type"] == "MULTI_CPU"
+    path.write_text("engine: ray\n")
+    assert "engine='ray' needs num_processes" in launch_preview().error

@@ -175,6 +175,16 @@ def test_an_elastic_launch_is_watched_too():
 
 
 @pytest.mark.timeout(90)
+def test_a_rank_sweeps_the_sockets_of_processes_that_are_gone():
+    """Ranks killed where no launcher could remove their socket (a Ray node, an elastic worker)."""
+    os.makedirs(watch_rank.socket_dir(), mode=0o700, exist_ok=True)
+    stale = watch_rank.socket_path(999_999_999)  # above any pid_max: no such process
+    open(stale, "w").close()
+    assert notebook_launcher(targets.serves_the_watch, num_processes=2, use_port="auto") == [True] * 2
+    assert not os.path.exists(stale)
+
+
+@pytest.mark.timeout(90)
 def test_a_second_start_in_a_process_keeps_its_server(tmp_path):
     """xmp runs a process's devices as threads, and one may start after another ended: the second
     start keeps the process's one server (replacing it freed the old one, whose destructor hung)."""

@@ -288,8 +288,11 @@ def run(args: argparse.Namespace) -> int:
     given = [flag for flag, value in ray_flags.items() if value is not None]
     try:
         config = cfg.load_config(args.config_file) if args.config_file else cfg.load_default()
-        if config is not None and config.engine == "ray" and args.engine is None:
-            args.engine = "ray"  # the file's engine: its Ray keys fill in what the flags leave out (make_plan)
+        placing = _placing_kwargs(args) or args.start_method is not None
+        if config is not None and config.engine == "ray" and args.engine is None and not placing:
+            # The file's engine (its Ray keys fill in what the flags leave out: make_plan). Flags that
+            # place the ranks keep the launch here, as notebook_launcher's arguments do.
+            args.engine = "ray"
         if given and args.engine != "ray":
             parser.error(f"{', '.join(given)} only apply with --engine ray: add it, or leave them out")
         kwargs = _ray_kwargs(args) if args.engine == "ray" else _launch_kwargs(args, config)

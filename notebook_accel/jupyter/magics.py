@@ -15,6 +15,7 @@ from ..commands.args import positive_seconds as _seconds
 from ..commands.args import stall_seconds as _stall
 from ..commands.args import whole as _int
 from ..launch.errors import LaunchConfigError
+from ..launch.plan import on_ray
 from ..session.errors import SessionError
 from . import cell_jobs
 
@@ -204,7 +205,7 @@ class AccelerateMagics(Magics):
             (args.start_method or "fork") != "fork"
             or (args.max_restarts or 0) > 0
             or (args.num_nodes or 1) > 1
-            or args.engine == "ray"
+            or on_ray(kwargs)  # --engine ray, or the config file's engine: ray
         )
         if travels:  # the cell and the names it reads are pickled; fail here, naming the culprit
             namespace = cell_jobs.travelling_namespace(cell, filename, shell.user_ns)

@@ -131,8 +131,8 @@ def run_function(rank: int, ctrl: socket.socket, prepare, load, debug: bool = Fa
     try:
         prepare()
         function, args = load()
-        called = True
         send_frame(ctrl, ("calling",))  # the watch tells a rank still starting from one that stalled
+        called = True
         result = function(*args)
     except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit too
         flush_output()

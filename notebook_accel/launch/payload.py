@@ -183,8 +183,9 @@ def _fails(obj) -> bool:
 def _explain(function, args, exc: Exception) -> str:
     """Name the first object that cannot be pickled and where it was found."""
     hint = (
-        "Children started with start_method='spawn' or 'forkserver' receive the function and its "
-        "arguments by pickling. Create that object inside the function, or use start_method='fork'."
+        "Ranks started by spawn or forkserver, by torch elastic or on a Ray cluster receive the function "
+        "and its arguments by pickling. Create that object inside the function, or, on this machine, use "
+        "start_method='fork'."
     )
     for i, arg in enumerate(args):
         if _fails(arg):

@@ -401,13 +401,14 @@ _CONFIGURABLE = (
 
 def _engine_from_config(arguments: dict, config, notes: list) -> tuple:
     """(engine, ray_address, resources_per_rank, placement): the arguments, with a config file's
-    `engine: ray` and its Ray keys where the caller chose none. A caller that places its ranks itself
-    (an interactive session, a debug launch: ONE_MACHINE) is not turned into a Ray launch by it."""
+    `engine: ray` and its Ray keys where the caller chose none. Explicit arguments win: a caller that
+    places its ranks itself (start_method, use_port, ...; an interactive session and debug_launcher
+    pass ONE_MACHINE) stays on this machine, and the plan's notes say why the file's engine went unused."""
     names = ("engine", "ray_address", "resources_per_rank", "placement")
     values = {name: arguments[name] for name in names}
     if config is None or config.engine != "ray":
         return tuple(values[name] for name in names)
-    placing = [name for name in ray_plan.PLACED_BY_RAY if _passed(arguments[name])]
+    placing = _placing(arguments)
     if placing and values["engine"] is None:
         placed = ", ".join(placing)
         notes.append(f"{config.path} says engine: ray, which this launch does not use: it places its ranks ({placed})")
@@ -418,6 +419,25 @@ def _engine_from_config(arguments: dict, config, notes: list) -> tuple:
     if taken:
         notes.append(f"from {config.path}: " + ", ".join(f"{k}={v!r}" for k, v in taken.items()))
     return tuple(values[name] for name in names)
+
+
+def _placing(arguments: dict) -> list:
+    return [name for name in ray_plan.PLACED_BY_RAY if _passed(arguments.get(name))]
+
+
+def on_ray(given: dict, config_file=None) -> bool:
+    """Whether a launch with these arguments (notebook_launcher's) runs on Ray: `engine="ray"`, or
+    the config file's `engine: ray` with none of the arguments that keep a launch here. For callers
+    that must prepare before the plan is made (the cell magic pickles the cell for Ray, not for fork)."""
+    if given.get("engine") is not None:
+        return given["engine"] == "ray"
+    from ..config import ConfigError
+
+    try:
+        config = _load_config(config_file)
+    except ConfigError:
+        return False  # the launch itself says what is wrong with the file
+    return config is not None and config.engine == "ray" and not _placing(given)
 
 
 def _with_config(config_file, notes: list, given: dict) -> tuple:

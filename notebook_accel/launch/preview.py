@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from .plan import LaunchPlan, make_plan
+from .plan import LaunchPlan, default, make_plan
 
 
 class Preview(NamedTuple):
@@ -27,7 +27,9 @@ def launch_preview() -> Preview:
     from ..utils.environment import USE_CPU_ENV, LaunchEnv
 
     try:
-        plan = make_plan(num_processes=None, use_port="auto")
+        plan = make_plan(num_processes=None, use_port=default("auto"))  # not chosen: a file's engine: ray applies
+        if plan.engine == "ray":
+            return _ray_preview(plan)
         cpu = plan.env.get(USE_CPU_ENV) == "1"
         family = None if cpu else hardware.detect_device_family()
         env = LaunchEnv(world_size=plan.world_size, local_world_size=plan.num_processes)
@@ -53,6 +55,21 @@ def launch_preview() -> Preview:
         how = "num_processes=N" if family in (None, "mps") else "num_processes=N, cpu=True"
         kind_many = "FSDP" if plan.fsdp else str(many.distributed_type)
         rows.append((f"With {how}", f"{kind_many} on {many.backend}, N CPU processes"))
+    return Preview(rows, list(plan.notes), None)
+
+
+def _ray_preview(plan: LaunchPlan) -> Preview:
+    """The config file's engine: ray: the ranks are placed on the cluster, which is not asked here."""
+    gpus = plan.ray.resources.get("GPU")
+    kind = "FSDP" if plan.fsdp else ("MULTI_GPU" if gpus else "MULTI_CPU")
+    rows = [
+        ("Distributed type", kind),
+        ("Processes", f"{plan.num_processes} on the Ray cluster ({plan.ray.address or 'RAY_ADDRESS, else auto'})"),
+        ("Backend", "nccl" if gpus else "gloo"),
+        ("Start method", "ray (ray engine)"),
+        ("Mixed precision", plan.mixed_precision),
+        ("Each rank", ", ".join(f"{k} {v:g}" for k, v in plan.ray.resources.items()) + f", placed {plan.ray.placement.lower()}"),
+    ]
     return Preview(rows, list(plan.notes), None)
 
 

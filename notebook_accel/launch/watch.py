@@ -46,9 +46,13 @@ class Watch:
         self.report = None
         return [ev.LaunchResumed()]
 
+    def due(self, now: float) -> bool:
+        """Whether `tick(now)` asks the ranks (an engine may gather their answers at once first)."""
+        return self.on and now - self.last_progress >= self.stall_after / 3 and now >= self.next_probe
+
     def tick(self, now: float, ranks: list) -> list:
         """`ranks`: (rank, key, rank_state(...)) of every rank not failed. The events to send now."""
-        if not self.on or now - self.last_progress < self.stall_after / 3 or now < self.next_probe:
+        if not self.due(now):
             return []
         self.next_probe = now + max(MIN_PROBE_S, self.stall_after / 3)
         seen = {rank: self.probe.collectives(key) for rank, key, returned in ranks if not returned}

@@ -51,6 +51,7 @@ def start() -> bool:
     path = socket_path(os.getpid())
     try:
         os.makedirs(socket_dir(), mode=0o700, exist_ok=True)
+        _sweep()
         if os.path.exists(path):  # a pid reused after a rank that was killed
             os.unlink(path)
         with _quiet_fd2():  # it logs "Server listening to UNIX ..." on stderr: rank output otherwise
@@ -58,6 +59,18 @@ def start() -> bool:
     except Exception:  # noqa: BLE001 - the watch is a diagnosis: never fail the rank over it
         return False
     return True
+
+
+def _sweep() -> None:
+    """Remove the sockets of processes that are gone: ranks killed where no launcher could (a Ray
+    actor on another node, an elastic worker) would leave them, launch after launch."""
+    for name in os.listdir(socket_dir()):
+        pid = name[len("watch-") : -len(".sock")]
+        if name.startswith("watch-") and name.endswith(".sock") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(os.path.join(socket_dir(), name))
+            except OSError:
+                pass
 
 
 def _forget_in_child() -> None:

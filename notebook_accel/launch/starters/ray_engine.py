@@ -241,7 +241,8 @@ class RayLaunch:
         from .. import frontend
         from ..watch import Watch
 
-        self.stall_watch = Watch(self.plan.stall_after, started, frontend.label_traceback, probe=_Probe(self))
+        self.probe = _Probe(self)
+        self.stall_watch = Watch(self.plan.stall_after, started, frontend.label_traceback, probe=self.probe)
         running = {}
         for rank, index in enumerate(self.ranks):
             self.sink.handle(ev.RankStarted(rank, self.where[rank]["pid"], _node(self.where[rank])))
@@ -269,18 +270,22 @@ class RayLaunch:
                     self.sink.handle(ev.RankStopped(other, f"rank {failed[0].rank} failed"))
                 raise LaunchFailedError(failed)
             self._check_stop("", sorted(running.values()))
-            self._tick(running, results)
+            self._tick(running)
         return results
 
-    def _tick(self, running: dict, results: list) -> None:
-        """The stall watch's turn: the ranks that run are asked through their actors (`_Probe`)."""
-        ranks = []
-        for rank in range(len(self.ranks)):
-            if rank in running.values():
-                ranks.append((rank, rank, False if rank in self.calling else "starting"))
-            elif results[rank] is not None:
-                ranks.append((rank, rank, True))
-        for event in self.stall_watch.tick(time.monotonic(), ranks):
+    def _tick(self, running: dict) -> None:
+        """The stall watch's turn: the ranks that run are asked through their actors, all at once
+        (`_Probe.gather`); a rank no longer running returned (a failure ends the launch at once)."""
+        now = time.monotonic()
+        if not self.stall_watch.due(now):
+            return
+        going = set(running.values())
+        ranks = [
+            (rank, rank, (False if rank in self.calling else "starting") if rank in going else True)
+            for rank in range(len(self.ranks))
+        ]
+        self.probe.gather([rank for rank, _, state in ranks if state is False])
+        for event in self.stall_watch.tick(now, ranks):
             self.sink.handle(event)
 
     def _moved(self) -> None:
@@ -432,24 +437,32 @@ class RayLaunch:
 
 
 class _Probe:
-    """The stall watch's questions to a Ray rank (its key is the rank), asked through its actor: the
-    driver cannot reach a pid on another node. A rank that does not answer in time is unknown."""
+    """The stall watch's questions to Ray ranks (a rank is its own key), asked through their actors:
+    the driver cannot reach a pid on another node. `gather` asks every running rank at once, under
+    one deadline; the watch then reads the answers. A rank that did not answer in time is unknown."""
 
     def __init__(self, launch: RayLaunch):
         self.launch = launch
+        self.answers: dict = {}  # rank -> (collectives, stacks text), from the last gather
 
-    def _ask(self, rank: int, stacks: bool) -> tuple:
-        actor = self.launch.actors[self.launch.ranks[rank]]
-        try:
-            return self.launch.ray.get(actor.probe.remote(stacks), timeout=PROBE_WAIT_S)
-        except Exception:  # noqa: BLE001 - a timeout, a dead actor: the report says it did not answer
-            return None, None
+    def gather(self, ranks: list) -> None:
+        ray = self.launch.ray
+        refs = {self.launch.actors[self.launch.ranks[rank]].probe.remote(True): rank for rank in ranks}
+        self.answers = {}
+        if not refs:
+            return
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_WAIT_S)
+        for ref in ready:
+            try:
+                self.answers[refs[ref]] = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue  # its actor died: its run call says how
 
     def collectives(self, rank: int):
-        return self._ask(rank, False)[0]
+        return self.answers.get(rank, (None, None))[0]
 
     def stacks(self, rank: int):
-        return self._ask(rank, True)[1]
+        return self.answers.get(rank, (None, None))[1]
 
 
 def order(where: list) -> tuple:

@@ -608,6 +608,31 @@ def test_stacks_button_shows_where_each_running_rank_is(monkeypatch):
     assert p.stacks_button.disabled
 
 
+def test_stacks_button_asks_the_engine_where_ranks_are_not_reachable_by_pid():
+    """A Ray launch's ranks run on other nodes: the button asks the launch (control.where_now),
+    which asks them through their actors (tests/test_ray_engine.py)."""
+    from notebook_accel.launch import stall
+    from notebook_accel.launch.control import LaunchControl
+
+    asked = []
+
+    def where_now(label=None):
+        asked.append(label)
+        return stall.build(3.0, [stall.RankWhere(0, "running"), stall.RankWhere(1, "starting")], asked=True)
+
+    p = make()
+    control = LaunchControl()
+    control.where_now = where_now
+    p.attach(control)
+    p.handle(ev.RankStarted(0, 11, "10.0.0.7 (a1b2c3d4)"))
+    p.handle(ev.RankStarted(1, 12, "10.0.0.8 (e5f6a7b8)"))
+    p.flush()
+    p.stacks_button.click()
+    assert len(asked) == 1 and asked[0] is not None  # the notebook's cell labels go with it
+    text = html.unescape(p.traceback.value)
+    assert "where the ranks are now: rank 0 is in no collective; rank 1 is still starting" in text, text
+
+
 def test_where_clicks_cannot_arrive_the_panel_says_stacks_need_them(clicks_arrive):
     clicks_arrive.deliver_while_busy = lambda widget: False
     p = make()

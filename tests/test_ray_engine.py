@@ -326,6 +326,41 @@ def test_the_stall_watch_asks_ray_ranks_through_their_actors(cluster):
     assert _nothing_of_ours_left()
 
 
+class AskWhereNow(Recorder):
+    """The panel's Stacks button: from another thread, asks where the ranks are until both wait in
+    their collectives, keeps that report and stops the launch."""
+
+    def attach(self, control):
+        import threading
+
+        self.control, self.report = control, None
+        threading.Thread(target=self._ask, daemon=True).start()
+
+    def _ask(self):
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and self.report is None:
+            time.sleep(0.5)
+            where_now = self.control.where_now
+            report = where_now() if where_now is not None else None
+            if report is not None and [r.state for r in report.ranks] == ["waiting", "waiting"]:
+                self.report = report
+        self.control.request_stop("the test asked where the ranks are")
+
+
+def test_the_stacks_button_asks_ray_ranks_where_they_are_now(cluster):
+    from notebook_accel.launch.errors import LaunchStoppedError
+
+    sink = AskWhereNow()
+    with pytest.raises(LaunchStoppedError):
+        notebook_launcher(_mismatch, num_processes=2, engine="ray", stall_after=600, timeout=120, sinks=[sink])
+    report = sink.report
+    assert report is not None and not report.stalled  # asked, not a stall (the watch speaks after 600 s)
+    assert report.sentence.startswith("where the ranks are now: "), report.sentence
+    assert "rank 0 waits in all_reduce #" in report.sentence and "rank 1 waits in barrier #" in report.sentence
+    assert "dist.all_reduce(t)" in report.text(), report.text()
+    assert _nothing_of_ours_left()
+
+
 def _one_returns_one_sleeps():
     import os
     import time

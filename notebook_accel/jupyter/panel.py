@@ -267,16 +267,21 @@ class LaunchPanel(Sink):
         with self._lock:
             if m.state != "running":
                 return
-            # A rank on another machine (node set: a Ray launch) has a pid there, not here: not asked.
+            # A rank on another machine (node set: a Ray launch) has a pid there, not here: its engine
+            # asks it (control.where_now), else it is left out.
             rows = [
                 (r.rank, r.pid, r.state == "done")
                 for r in m.sorted_ranks()
                 if r.pid and not r.node and r.state in ("running", "done")
             ]
             began = m.began
+            where_now = getattr(self._control, "where_now", None)
         self.stacks_button.disabled = True
         try:
-            report = snapshot(time.monotonic() - began, rows, label_cells, asked=True)
+            if where_now is not None:
+                report = where_now(label_cells)
+            else:
+                report = snapshot(time.monotonic() - began, rows, label_cells, asked=True)
         finally:
             self.stacks_button.disabled = False
         with self._lock:

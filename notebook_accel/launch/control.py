@@ -58,6 +58,9 @@ class LaunchControl:
         self.deadline: Optional[float] = None
         self.reason = ""
         self.timed_out = False
+        # Set by an engine whose ranks the launcher cannot ask by pid (Ray): label -> a StallReport of
+        # where the ranks are now, for the panel's Stacks button. Safe to call from any thread.
+        self.where_now = None
         self._lock = threading.Lock()
         self._wakeup = Wakeup()
 

@@ -140,6 +140,8 @@ class RayLaunch:
         self.takes: dict = {}  # rank -> its `take` call in flight
         self.peak_rss: dict = {}  # rank -> the highest RSS its node reported
         self.calling: set = set()  # ranks whose function has begun
+        self.going: frozenset = frozenset()  # ranks running now (swapped whole: read from other threads)
+        self.started = 0.0
         self.stall_watch = None  # the stall watch, from the ranks' start (watch.py)
 
     # -- placing -------------------------------------------------------------------------------
@@ -243,12 +245,15 @@ class RayLaunch:
 
         self.probe = _Probe(self)
         self.stall_watch = Watch(self.plan.stall_after, started, frontend.label_traceback, probe=self.probe)
+        self.started = started
+        self.control.where_now = self.where_now
         running = {}
         for rank, index in enumerate(self.ranks):
             self.sink.handle(ev.RankStarted(rank, self.where[rank]["pid"], _node(self.where[rank])))
             running[self.actors[index].run.remote(envs[rank], self.plan.threads_per_process, body)] = rank
         results: list = [None] * len(self.ranks)
         while running:
+            self.going = frozenset(running.values())
             ready, _ = self.ray.wait(list(running), num_returns=len(running), timeout=POLL_S)
             self._pump(sorted(running.values()))
             failed = []
@@ -273,6 +278,20 @@ class RayLaunch:
             self._tick(running)
         return results
 
+    def where_now(self, label=None):
+        """Where every rank is now, asked through the actors (the panel's Stacks button; any thread)."""
+        from ..watch import snapshot
+
+        going, probe = self.going, _Probe(self)
+        ranks = [self._row(rank, going) for rank in range(len(self.ranks))]
+        probe.gather([rank for rank, _, state in ranks if state is False])
+        return snapshot(time.monotonic() - self.started, ranks, label, asked=True, probe=probe)
+
+    def _row(self, rank: int, going) -> tuple:
+        """(rank, key, state) for the watch: a rank is its own key; one no longer running returned (a
+        failure ends the launch at once)."""
+        return rank, rank, (False if rank in self.calling else "starting") if rank in going else True
+
     def _tick(self, running: dict) -> None:
         """The stall watch's turn: the ranks that run are asked through their actors, all at once
         (`_Probe.gather`); a rank no longer running returned (a failure ends the launch at once)."""
@@ -280,10 +299,7 @@ class RayLaunch:
         if not self.stall_watch.due(now):
             return
         going = set(running.values())
-        ranks = [
-            (rank, rank, (False if rank in self.calling else "starting") if rank in going else True)
-            for rank in range(len(self.ranks))
-        ]
+        ranks = [self._row(rank, going) for rank in range(len(self.ranks))]
         self.probe.gather([rank for rank, _, state in ranks if state is False])
         for event in self.stall_watch.tick(now, ranks):
             self.sink.handle(event)

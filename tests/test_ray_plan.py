@@ -169,7 +169,7 @@ def test_a_launch_that_places_its_own_ranks_is_not_turned_into_a_ray_launch_by_t
 
 def test_on_ray_tells_the_cell_magic_what_to_prepare_for(tmp_path, monkeypatch):
     """The magic pickles the cell for a Ray launch (its namespace stays home), not for a fork one."""
-    from notebook_accel.launch.plan import on_ray
+    from notebook_accel.launch.plan_config import on_ray
 
     path = tmp_path / "c.yaml"
     monkeypatch.setenv("NOTEBOOK_ACCEL_CONFIG_FILE", str(path))

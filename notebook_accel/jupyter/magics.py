@@ -15,7 +15,7 @@ from ..commands.args import positive_seconds as _seconds
 from ..commands.args import stall_seconds as _stall
 from ..commands.args import whole as _int
 from ..launch.errors import LaunchConfigError
-from ..launch.plan import on_ray
+from ..launch.plan_config import on_ray
 from ..session.errors import SessionError
 from . import cell_jobs
 

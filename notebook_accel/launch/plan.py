@@ -14,24 +14,11 @@ from ..utils import families
 from . import limits, pdb_relay, ports, ray_plan, stall_settings
 from .errors import LaunchConfigError
 from .limits import MANY_PROCESSES_ENV, PROCESSES_PER_CORE  # noqa: F401  (their old home)
+from .plan_config import CONFIGURABLE, default, engine_from_config, is_default, passed, with_config  # noqa: F401  (default, is_default: their old home)
 from .ports import free_port  # noqa: F401  (its old home: tests, tools and benchmarks import it here)
 
 START_METHODS = ("fork", "spawn", "forkserver")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
-
-
-# Marked defaults: they print as the documented value, yet tell "not passed" from "passed", so the
-# config file can supply what the caller left out and an explicit argument still wins.
-class _Default:
-    pass
-
-
-class _DefaultStr(str, _Default):
-    pass
-
-
-class _DefaultInt(int, _Default):
-    pass
 
 
 # One machine, no agent: what a debug launch and an interactive session pass to make_plan, so a
@@ -44,16 +31,6 @@ ONE_MACHINE = {
     "rdzv_backend": "static",
     "max_restarts": 0,
 }
-
-
-def default(value):
-    """A marked default for a launch argument (see is_default)."""
-    return _DefaultInt(value) if isinstance(value, int) else _DefaultStr(value)
-
-
-def is_default(value) -> bool:
-    """True for None and marked defaults: the caller did not choose this value."""
-    return value is None or isinstance(value, _Default)
 
 
 @dataclass(frozen=True)
@@ -150,17 +127,17 @@ def make_plan(
     arguments = locals()
     ray_plan.check_engine(engine)
     # The config file fills in what the caller left out.
-    chosen, config_env, config = _with_config(config_file, notes, {n: arguments[n] for n in _CONFIGURABLE})
-    engine, ray_address, resources_per_rank, placement = _engine_from_config(arguments, config, notes)
+    chosen, config_env, config = with_config(config_file, notes, {n: arguments[n] for n in CONFIGURABLE})
+    engine, ray_address, resources_per_rank, placement = engine_from_config(arguments, config, notes)
     if engine == "ray":
-        ray_plan.refuse_placing({name: _passed(arguments[name]) for name in ray_plan.PLACED_BY_RAY})
+        ray_plan.refuse_placing({name: passed(arguments[name]) for name in ray_plan.PLACED_BY_RAY})
     else:
         ray_plan.refuse_without_ray(ray_address, resources_per_rank, placement, runtime_env)
     stall_after = stall_settings.resolve_stall_after(stall_after, config)  # env beats the config
     num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes, cpu = (
-        chosen[name] for name in _CONFIGURABLE[:7]
+        chosen[name] for name in CONFIGURABLE[:7]
     )
-    rdzv_backend, max_restarts, debug, gpu_ids = (chosen[name] for name in _CONFIGURABLE[7:])
+    rdzv_backend, max_restarts, debug, gpu_ids = (chosen[name] for name in CONFIGURABLE[7:])
     cpu = bool(cpu)
     if cpu and arguments["gpu_ids"] is None:
         gpu_ids = None  # the config's device choice does not apply to a launch on the CPU
@@ -293,11 +270,6 @@ def make_plan(
     return plan
 
 
-def _passed(value) -> bool:
-    """The caller gave this argument (not its marked default, None, "", or False; 0 is given)."""
-    return not is_default(value) and value is not None and value is not False and value != ""
-
-
 def _ray_plan(num_processes, mixed_precision, ray, config_env, fsdp, stall_after, debug, notes) -> LaunchPlan:
     """engine="ray": `num_processes` ranks over the cluster, placed by Ray (starters/ray_engine.py)."""
     from ..utils.environment import DEBUG_ENV, LAUNCHER_ENV, MIXED_PRECISION_ENV, USE_CPU_ENV
@@ -384,79 +356,6 @@ def _default_num_processes(devices: int, engine: str, notes: list) -> int:
     return 1
 
 
-_CONFIGURABLE = (
-    "num_processes",
-    "mixed_precision",
-    "use_port",
-    "master_addr",
-    "node_rank",
-    "num_nodes",
-    "cpu",
-    "rdzv_backend",
-    "max_restarts",
-    "debug",
-    "gpu_ids",
-)
-
-
-def _engine_from_config(arguments: dict, config, notes: list) -> tuple:
-    """(engine, ray_address, resources_per_rank, placement): the arguments, with a config file's
-    `engine: ray` and its Ray keys where the caller chose none. Explicit arguments win: a caller that
-    places its ranks itself (start_method, use_port, ...; an interactive session and debug_launcher
-    pass ONE_MACHINE) stays on this machine, and the plan's notes say why the file's engine went unused."""
-    names = ("engine", "ray_address", "resources_per_rank", "placement")
-    values = {name: arguments[name] for name in names}
-    if config is None or config.engine != "ray":
-        return tuple(values[name] for name in names)
-    placing = _placing(arguments)
-    if placing and values["engine"] is None:
-        placed = ", ".join(placing)
-        notes.append(f"{config.path} says engine: ray, which this launch does not use: it places its ranks ({placed})")
-        return tuple(values[name] for name in names)
-    taken = {name: getattr(config, name) for name in names if getattr(config, name) is not None}
-    taken = {name: value for name, value in taken.items() if is_default(values[name])}
-    values.update(taken)
-    if taken:
-        notes.append(f"from {config.path}: " + ", ".join(f"{k}={v!r}" for k, v in taken.items()))
-    return tuple(values[name] for name in names)
-
-
-def _placing(arguments: dict) -> list:
-    return [name for name in ray_plan.PLACED_BY_RAY if _passed(arguments.get(name))]
-
-
-def on_ray(given: dict, config_file=None) -> bool:
-    """Whether a launch with these arguments (notebook_launcher's) runs on Ray: `engine="ray"`, or
-    the config file's `engine: ray` with none of the arguments that keep a launch here. For callers
-    that must prepare before the plan is made (the cell magic pickles the cell for Ray, not for fork)."""
-    if given.get("engine") is not None:
-        return given["engine"] == "ray"
-    from ..config import ConfigError
-
-    try:
-        config = _load_config(config_file)
-    except ConfigError:
-        return False  # the launch itself says what is wrong with the file
-    return config is not None and config.engine == "ray" and not _placing(given)
-
-
-def _with_config(config_file, notes: list, given: dict) -> tuple:
-    """`given` ({name in _CONFIGURABLE: value}), with the config's values where the caller chose none;
-    the variables the config sets for every rank (FSDP's); and the config itself (or None)."""
-    config = _load_config(config_file)
-    if config is None:
-        return given, {}, None
-    values = dict(given)
-    taken = {k: v for k, v in config.launch_defaults().items() if is_default(values[k])}
-    shown = [
-        f"{k}={v!r}" for k, v in taken.items() if v != values[k] and not (values[k] is None and v is False)
-    ]
-    if shown:
-        notes.append(f"from {config.path}: {', '.join(shown)}")
-    values.update(taken)
-    return values, config.launch_env(), config
-
-
 def _fsdp_env(config_env: dict, fsdp) -> dict:
     """The config's variables with FSDP as `fsdp` says: None keeps the config's choice, True turns it
     on, False off (the config's settings dropped), a dict of fsdp_* settings on with those settings."""
@@ -492,13 +391,6 @@ def _fsdp_on(env: dict) -> bool:
         return bool(str_to_bool(value))
     except ValueError:
         return False
-
-
-def _load_config(config_file):
-    """The launch config: `config_file` if given (it must exist), else the default file if present."""
-    from .. import config
-
-    return config.load_default() if config_file is None else config.load_config(config_file)
 
 
 # The variable that restricts each family to the chosen device indices (gpu_ids).

@@ -523,9 +523,9 @@ def run(plan, payload, sink, control) -> list:
         launch.place()
         results = launch.watch(body)
     except BaseException as exc:
+        launch.clean()  # before LaunchFinished, as on success: a notice of its own comes before the end
         finished(sink, started, exc)
         raise
-    finally:
-        launch.clean()
+    launch.clean()
     finished(sink, started)
     return results

@@ -143,6 +143,7 @@ class RayLaunch:
         self.going: frozenset = frozenset()  # ranks running now (swapped whole: read from other threads)
         self.started = 0.0
         self.stall_watch = None  # the stall watch, from the ranks' start (watch.py)
+        self.probe = None  # its questions to the ranks (_Probe)
 
     # -- placing -------------------------------------------------------------------------------
     def place(self) -> None:
@@ -282,15 +283,19 @@ class RayLaunch:
         """Where every rank is now, asked through the actors (the panel's Stacks button; any thread)."""
         from ..watch import snapshot
 
-        going, probe = self.going, _Probe(self)
-        ranks = [self._row(rank, going) for rank in range(len(self.ranks))]
-        probe.gather([rank for rank, _, state in ranks if state is False])
+        probe = _Probe(self)  # its own: the launch's loop may be asking with the watch's meanwhile
+        ranks = self._asked(probe, self.going)
         return snapshot(time.monotonic() - self.started, ranks, label, asked=True, probe=probe)
 
-    def _row(self, rank: int, going) -> tuple:
-        """(rank, key, state) for the watch: a rank is its own key; one no longer running returned (a
-        failure ends the launch at once)."""
-        return rank, rank, (False if rank in self.calling else "starting") if rank in going else True
+    def _asked(self, probe, going) -> list:
+        """(rank, key, state) of every rank for the watch, the running ones asked through `probe`: a
+        rank is its own key; one no longer running returned (a failure ends the launch at once)."""
+        ranks = [
+            (rank, rank, (False if rank in self.calling else "starting") if rank in going else True)
+            for rank in range(len(self.ranks))
+        ]
+        probe.gather([rank for rank, _, state in ranks if state is False])
+        return ranks
 
     def _tick(self, running: dict) -> None:
         """The stall watch's turn: the ranks that run are asked through their actors, all at once
@@ -298,9 +303,7 @@ class RayLaunch:
         now = time.monotonic()
         if not self.stall_watch.due(now):
             return
-        going = set(running.values())
-        ranks = [self._row(rank, going) for rank in range(len(self.ranks))]
-        self.probe.gather([rank for rank, _, state in ranks if state is False])
+        ranks = self._asked(self.probe, set(running.values()))
         for event in self.stall_watch.tick(now, ranks):
             self.sink.handle(event)
 
